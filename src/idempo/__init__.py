@@ -1,0 +1,70 @@
+"""idempo: make retries safe.
+
+A caller that timed out retries with the same idempotency key; idempo runs the work once and
+answers every retry with the first result.
+
+    from idempo import Idempotency, open_store
+
+    idem = Idempotency(open_store("sqlite:///app.db"))
+
+    @idem.idempotent(key="order_id")
+    def charge(order_id: str, amount: int) -> dict[str, str]: ...
+"""
+
+from __future__ import annotations
+
+from ._fingerprint import fingerprint
+from ._keys import Scope, validate_key
+from ._record import Record, Status
+from .errors import (
+    ConfigurationError,
+    ConflictError,
+    FencedError,
+    FingerprintMismatchError,
+    IdempotencyError,
+    InvalidKeyError,
+    InvalidPayloadError,
+    ReplayedFailureError,
+    RequestInProgressError,
+    ResponseTooLargeError,
+    StoreError,
+    StoreUnavailableError,
+)
+from .guard import AsyncAttempt, AsyncIdempotency, Attempt, Idempotency
+from .policy import Policy
+from .serializers import JsonSerializer, Serializer, TypedSerializer
+from .stores import AsyncStore, Store, open_async_store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncAttempt",
+    "AsyncIdempotency",
+    "AsyncStore",
+    "Attempt",
+    "ConfigurationError",
+    "ConflictError",
+    "FencedError",
+    "FingerprintMismatchError",
+    "Idempotency",
+    "IdempotencyError",
+    "InvalidKeyError",
+    "InvalidPayloadError",
+    "JsonSerializer",
+    "Policy",
+    "Record",
+    "ReplayedFailureError",
+    "RequestInProgressError",
+    "ResponseTooLargeError",
+    "Scope",
+    "Serializer",
+    "Status",
+    "Store",
+    "StoreError",
+    "StoreUnavailableError",
+    "TypedSerializer",
+    "fingerprint",
+    "open_async_store",
+    "open_store",
+    "validate_key",
+]

@@ -1,0 +1,212 @@
+"""The protocol of one guarded call, written once as a generator and driven sync or async.
+
+The flow yields operations and receives their results (as httpx's auth flows do). It does no
+I/O itself, so the sync and async drivers below are the only places that differ.
+
+    Reserve ──► Acquired ──► Execute ──► Complete | Fail | Release
+            ├─► Replay   ──► return the stored record
+            ├─► Mismatch ──► FingerprintMismatchError
+            └─► InProgress ─► RequestInProgressError, or Sleep and Reserve again (policy.wait)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from ._keys import Scope
+from ._record import Acquired, InProgress, Mismatch, Record, Replay, Status
+from .errors import (
+    FencedError,
+    FingerprintMismatchError,
+    RequestInProgressError,
+    ResponseTooLargeError,
+    StoreError,
+)
+from .policy import Policy
+from .stores.base import AsyncUnit, Unit
+
+# How often a caller told to wait re-checks a key that is in progress, at most.
+_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    scope: Scope
+    fingerprint: str
+    now: datetime
+    lease: timedelta
+    ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Execute:
+    token: int
+    recovery_point: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Complete (status COMPLETED) or fail (FAILED) the record."""
+
+    scope: Scope
+    token: int
+    status: Status
+    response: bytes
+    now: datetime
+    ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    scope: Scope
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Discard:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float
+
+
+Op = Reserve | Execute | Settle | Release | Discard | Sleep
+
+
+class Codec(Protocol):
+    """How a surface (function API, HTTP) turns what the work produced into a stored outcome.
+
+    A status of None means transient: release the key so that a retry executes again.
+    """
+
+    def encode_result(self, value: Any) -> tuple[Status | None, bytes]: ...
+
+    def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]: ...
+
+
+def guarded_call(
+    scope: Scope, fingerprint: str, policy: Policy, codec: Codec
+) -> Generator[Op, Any, Record | None]:
+    """Run one call: returns the record to replay, or None once this call executed the work."""
+    reservation = yield from _reserve(scope, fingerprint, policy)
+    if not isinstance(reservation, Acquired):
+        return reservation.record
+    token = reservation.token
+    try:
+        value = yield Execute(token, reservation.recovery_point)
+        status, body = codec.encode_result(value)
+        if status is not None and len(body) > policy.max_response_bytes:
+            raise ResponseTooLargeError(len(body), policy.max_response_bytes)
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        status, body = codec.encode_error(exc)
+        yield Discard()
+        # The work's own error matters more; a lease left unreleased still expires.
+        with suppress(FencedError, StoreError):
+            yield _outcome(scope, token, status, body, policy)
+        raise
+    yield _outcome(scope, token, status, body, policy)
+    return None
+
+
+def _reserve(
+    scope: Scope, fingerprint: str, policy: Policy
+) -> Generator[Op, Any, Acquired | Replay]:
+    deadline: datetime | None = None
+    while True:
+        now = policy.clock()
+        reservation = yield Reserve(scope, fingerprint, now, policy.lease, policy.ttl)
+        if not isinstance(reservation, Acquired):
+            yield Discard()  # nothing will be written: end the transaction, if there is one
+        match reservation:
+            case Acquired() | Replay():
+                return reservation
+            case Mismatch():
+                raise FingerprintMismatchError(scope.key)
+            case InProgress(retry_after=retry_after):
+                if policy.wait is None:
+                    raise RequestInProgressError(scope.key, retry_after)
+                deadline = deadline or now + policy.wait
+                remaining = (deadline - now).total_seconds()
+                if remaining <= 0:
+                    raise RequestInProgressError(scope.key, retry_after)
+                yield Sleep(min(retry_after, remaining, _POLL_SECONDS))
+
+
+def _outcome(
+    scope: Scope, token: int, status: Status | None, body: bytes, policy: Policy
+) -> Settle | Release:
+    if status is None:
+        return Release(scope, token)
+    return Settle(scope, token, status, body, policy.clock(), policy.ttl)
+
+
+def perform(unit: Unit, op: Op, policy: Policy) -> Any:
+    """Carry out one operation synchronously."""
+    match op:
+        case Reserve(scope, fingerprint, now, lease, ttl):
+            return unit.reserve(scope, fingerprint, now=now, lease=lease, ttl=ttl)
+        case Settle(scope, token, Status.COMPLETED, response, now, ttl):
+            return unit.complete(scope, token, response, now=now, ttl=ttl)
+        case Settle(scope, token, _, response, now, ttl):
+            return unit.fail(scope, token, response, now=now, ttl=ttl)
+        case Release(scope, token):
+            return unit.release(scope, token)
+        case Discard():
+            return unit.discard()
+        case Sleep(seconds):
+            return policy.sleep(seconds)
+    raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
+
+
+async def aperform(unit: AsyncUnit, op: Op, policy: Policy) -> Any:
+    """Carry out one operation asynchronously."""
+    match op:
+        case Reserve(scope, fingerprint, now, lease, ttl):
+            return await unit.reserve(scope, fingerprint, now=now, lease=lease, ttl=ttl)
+        case Settle(scope, token, Status.COMPLETED, response, now, ttl):
+            return await unit.complete(scope, token, response, now=now, ttl=ttl)
+        case Settle(scope, token, _, response, now, ttl):
+            return await unit.fail(scope, token, response, now=now, ttl=ttl)
+        case Release(scope, token):
+            return await unit.release(scope, token)
+        case Discard():
+            return await unit.discard()
+        case Sleep(seconds):
+            return await asyncio.sleep(seconds)
+    raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
+
+
+Flow = Generator[Op, Any, Record | None]
+
+
+def pump(flow: Flow, unit: Unit, policy: Policy, op: Op) -> Execute:
+    """Perform operations until the flow asks for the work to run; StopIteration when done."""
+    while not isinstance(op, Execute):
+        try:
+            result = perform(unit, op, policy)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
+            op = flow.throw(exc)
+        else:
+            op = flow.send(result)
+    return op
+
+
+async def apump(flow: Flow, unit: AsyncUnit, policy: Policy, op: Op) -> Execute:
+    """The asynchronous twin of `pump`."""
+    while not isinstance(op, Execute):
+        try:
+            result = await aperform(unit, op, policy)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
+            op = flow.throw(exc)
+        else:
+            op = flow.send(result)
+    return op

@@ -1,0 +1,95 @@
+"""The record a store keeps per scope, and what an attempt to reserve it can find."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from ._keys import Scope
+
+__all__ = [
+    "Acquired",
+    "InProgress",
+    "Mismatch",
+    "Record",
+    "Replay",
+    "Reservation",
+    "Status",
+    "judge",
+]
+
+
+class Status(StrEnum):
+    """The three states of a record; a released record simply no longer exists."""
+
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Everything a store keeps about one scope."""
+
+    scope: Scope
+    fingerprint: str
+    status: Status
+    token: int
+    lease_expires_at: datetime | None
+    response: bytes | None
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime
+    recovery_point: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """The caller holds the key: execute, then complete, fail or release with ``token``."""
+
+    token: int
+    recovery_point: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """A completed or failed record with the same fingerprint: answer with its response."""
+
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """The key is taken by a request with another fingerprint."""
+
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class InProgress:
+    """Another attempt holds a live lease; its lease ends in ``retry_after`` seconds."""
+
+    retry_after: float
+
+
+Reservation = Acquired | Replay | Mismatch | InProgress
+
+
+def judge(record: Record, fingerprint: str, now: datetime) -> Replay | Mismatch | InProgress | None:
+    """What an existing record means for a new attempt, or None if the attempt may take it over.
+
+    Stores call this on the record their atomic reservation found; a None from a store that
+    already tried to take over means it lost that race and should try again.
+    """
+    if record.expires_at <= now:
+        return None
+    if record.fingerprint != fingerprint:
+        return Mismatch(record)
+    if record.status is not Status.IN_PROGRESS:
+        return Replay(record)
+    lease_end = record.lease_expires_at
+    if lease_end is None or lease_end <= now:
+        return None
+    return InProgress(retry_after=math.ceil((lease_end - now).total_seconds() * 1000) / 1000)

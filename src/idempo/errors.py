@@ -1,0 +1,130 @@
+"""The exceptions idempo raises. Catch `IdempotencyError` to catch them all.
+
+    IdempotencyError                       root
+    ├── ConfigurationError                 bad URL, missing extra, store lacks a capability
+    ├── StoreError                         the store failed; the driver's error is __cause__
+    │   └── StoreUnavailableError          cannot reach the store (connection, timeout): retry later
+    ├── InvalidKeyError (400)              key empty, too long or not printable ASCII
+    ├── InvalidPayloadError (400)          the payload cannot be fingerprinted
+    ├── ResponseTooLargeError              the result is bigger than the store may keep
+    ├── FencedError                        this attempt lost its lease; its writes were refused
+    ├── ReplayedFailureError               the first execution failed deterministically; replayed
+    └── ConflictError
+        ├── RequestInProgressError (409)   another attempt holds a live lease on the key
+        └── FingerprintMismatchError (422) same key, different payload
+
+HTTP-facing classes carry `status_code` so adapters map them without a lookup table.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "ConflictError",
+    "FencedError",
+    "FingerprintMismatchError",
+    "IdempotencyError",
+    "InvalidKeyError",
+    "InvalidPayloadError",
+    "ReplayedFailureError",
+    "RequestInProgressError",
+    "ResponseTooLargeError",
+    "StoreError",
+    "StoreUnavailableError",
+]
+
+
+class IdempotencyError(Exception):
+    """Root of every error idempo raises."""
+
+    status_code: int = 500
+
+
+class ConfigurationError(IdempotencyError):
+    """idempo was set up in a way that cannot work (bad URL, missing extra, missing capability)."""
+
+
+class StoreError(IdempotencyError):
+    """The store failed. The driver's own exception is kept as ``__cause__``."""
+
+    status_code = 503
+
+
+class StoreUnavailableError(StoreError):
+    """The store could not be reached. Nothing was executed; retrying later is safe."""
+
+
+class InvalidKeyError(IdempotencyError):
+    """The idempotency key is empty, longer than 255 characters or not printable ASCII."""
+
+    status_code = 400
+
+
+class InvalidPayloadError(IdempotencyError):
+    """The payload cannot be fingerprinted: it is neither bytes nor JSON-representable data."""
+
+    status_code = 400
+
+
+class ResponseTooLargeError(IdempotencyError):
+    """The result to store exceeds the configured maximum; it is refused, never truncated."""
+
+    status_code = 500
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the result is {size} bytes, over the {limit}-byte limit for storage")
+        self.size = size
+        self.limit = limit
+
+
+class FencedError(IdempotencyError):
+    """The attempt's fencing token is stale: its lease expired and another attempt took over.
+
+    The stale attempt's completion was refused and, in transactional mode, its whole
+    transaction rolled back.
+    """
+
+    status_code = 409
+
+
+class ReplayedFailureError(IdempotencyError):
+    """The first execution failed deterministically; the stored failure is replayed as this.
+
+    Attributes:
+        error_type: qualified name of the exception the first execution raised.
+        detail: its message.
+    """
+
+    status_code = 500
+
+    def __init__(self, error_type: str, detail: str) -> None:
+        super().__init__(f"{error_type}: {detail} (replayed from the first execution)")
+        self.error_type = error_type
+        self.detail = detail
+
+
+class ConflictError(IdempotencyError):
+    """The key cannot be used for this call right now, or ever with this payload."""
+
+    status_code = 409
+
+
+class RequestInProgressError(ConflictError):
+    """Another attempt holds a live lease on the key; retry after ``retry_after`` seconds."""
+
+    status_code = 409
+
+    def __init__(self, key: str, retry_after: float) -> None:
+        super().__init__(f"key {key!r} is in progress; retry after {retry_after:.1f}s")
+        self.key = key
+        self.retry_after = retry_after
+
+
+class FingerprintMismatchError(ConflictError):
+    """The key was first used with another payload: a client bug, never replayed or executed."""
+
+    status_code = 422
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key {key!r} was already used with a different payload")
+        self.key = key

@@ -1,0 +1,520 @@
+"""The function API: run work once per scope and replay its stored result.
+
+idem = Idempotency(open_store("sqlite:///app.db"))
+
+@idem.idempotent(key="order_id")
+def charge(order_id: str, amount: int) -> dict[str, str]:
+    return psp.charge(order_id, amount)
+
+with idem.once(key, operation="charge", payload=order, conn=conn) as attempt:
+    if not attempt.replayed:
+        conn.execute("INSERT ...")          # commits with the record, or not at all
+        attempt.result = {"id": order.id}
+return attempt.result
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import typing
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Literal, ParamSpec, TypeVar, cast
+
+from ._fingerprint import fingerprint
+from ._flow import Execute, Flow, apump, guarded_call, pump
+from ._keys import Scope
+from ._record import Record, Status
+from .errors import ConfigurationError, IdempotencyError, ReplayedFailureError
+from .policy import Policy
+from .serializers import Serializer, TypedSerializer
+from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
+
+__all__ = ["AsyncAttempt", "AsyncIdempotency", "Attempt", "Idempotency"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _FunctionCodec:
+    """Return values are completions; exceptions release, unless the policy names them."""
+
+    def __init__(self, serializer: Serializer, fail_on: tuple[type[BaseException], ...]) -> None:
+        self.serializer = serializer
+        self.fail_on = fail_on
+
+    def encode_result(self, value: Any) -> tuple[Status | None, bytes]:
+        return Status.COMPLETED, self.serializer.dumps(value)
+
+    def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
+        if isinstance(exc, self.fail_on) and not isinstance(exc, IdempotencyError):
+            kind = type(exc)
+            failure = {"error": f"{kind.__module__}.{kind.__qualname__}", "detail": str(exc)}
+            return Status.FAILED, json.dumps(failure).encode()
+        return None, b""
+
+    def decode(self, record: Record) -> Any:
+        if record.status is Status.FAILED:
+            failure = json.loads(record.response or b"{}")
+            raise ReplayedFailureError(failure.get("error", "?"), failure.get("detail", ""))
+        return self.serializer.loads(record.response or b"null")
+
+
+class Attempt:
+    """What a guarded block works with.
+
+    Attributes:
+        scope: the (principal, operation, key) this attempt runs under.
+        replayed: True if the work already ran; ``result`` then holds its stored result and
+            the block must not do the work again.
+        result: set it to the work's result before leaving the block; it is stored and
+            replayed to every retry.
+        token: this attempt's fencing token (None on a replay).
+        recovery_point: the last step a previous, taken-over attempt recorded, if any.
+    """
+
+    def __init__(
+        self,
+        scope: Scope,
+        *,
+        replayed: bool,
+        result: Any = None,
+        token: int | None = None,
+        recovery_point: str | None = None,
+    ) -> None:
+        self.scope = scope
+        self.replayed = replayed
+        self.result = result
+        self.token = token
+        self.recovery_point = recovery_point
+        self._renew: Callable[[], Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.scope.key!r} replayed={self.replayed}>"
+
+    def renew(self) -> None:
+        """Extend this attempt's lease (long work). Raises `FencedError` if it was lost."""
+        if self._renew is not None:
+            self._renew()
+
+
+class AsyncAttempt(Attempt):
+    """The asynchronous twin of `Attempt`: ``await attempt.renew()``."""
+
+    async def renew(self) -> None:  # type: ignore[override]
+        if self._renew is not None:
+            await self._renew()
+
+
+class _Call:
+    """What one guarded block needs, before any I/O: shared by the sync and async twins."""
+
+    def __init__(
+        self,
+        unit: Any,
+        scope: Scope,
+        payload: Any,
+        policy: Policy,
+        serializer: Serializer | None,
+        attempt_class: type[Attempt],
+    ) -> None:
+        self.unit = unit
+        self.scope = scope
+        self.policy = policy
+        self.codec = _FunctionCodec(serializer or policy.serializer, policy.fail_on)
+        self.flow: Flow = guarded_call(scope, fingerprint(payload), policy, self.codec)
+        self.attempt_class = attempt_class
+        self.attempt: Attempt | None = None
+
+    def replayed(self, record: Record) -> Attempt:
+        self.attempt = self.attempt_class(
+            self.scope, replayed=True, result=self.codec.decode(record)
+        )
+        return self.attempt
+
+    def executing(self, execute: Execute) -> Attempt:
+        attempt = self.attempt_class(
+            self.scope,
+            replayed=False,
+            token=execute.token,
+            recovery_point=execute.recovery_point,
+        )
+        token, scope, policy, unit = execute.token, self.scope, self.policy, self.unit
+        attempt._renew = lambda: unit.renew(scope, token, now=policy.clock(), lease=policy.lease)
+        self.attempt = attempt
+        return attempt
+
+    def resume(self, exc: BaseException | None) -> Any:
+        """The first operation after the block: its result, or its exception thrown in."""
+        if exc is not None:
+            return self.flow.throw(exc)
+        assert self.attempt is not None
+        return self.flow.send(self.attempt.result)
+
+
+class _Once:
+    """Context manager returned by `Idempotency.once`."""
+
+    def __init__(self, call: _Call) -> None:
+        self._call = call
+
+    def __enter__(self) -> Attempt:
+        call = self._call
+        try:
+            execute = pump(call.flow, call.unit, call.policy, next(call.flow))
+        except StopIteration as stop:
+            return call.replayed(stop.value)
+        return call.executing(execute)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        call = self._call
+        if call.attempt is None or call.attempt.replayed:
+            return False
+        try:
+            pump(call.flow, call.unit, call.policy, call.resume(exc))
+        except StopIteration:
+            return False
+        except BaseException as raised:
+            if raised is exc:
+                return False
+            raise
+        raise AssertionError("the flow asked to execute twice")
+
+
+class _AsyncOnce:
+    """Async context manager returned by `AsyncIdempotency.once`."""
+
+    def __init__(self, call: _Call) -> None:
+        self._call = call
+
+    async def __aenter__(self) -> AsyncAttempt:
+        call = self._call
+        try:
+            execute = await apump(call.flow, call.unit, call.policy, next(call.flow))
+        except StopIteration as stop:
+            return cast(AsyncAttempt, call.replayed(stop.value))
+        return cast(AsyncAttempt, call.executing(execute))
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        call = self._call
+        if call.attempt is None or call.attempt.replayed:
+            return False
+        try:
+            await apump(call.flow, call.unit, call.policy, call.resume(exc))
+        except StopIteration:
+            return False
+        except BaseException as raised:
+            if raised is exc:
+                return False
+            raise
+        raise AssertionError("the flow asked to execute twice")
+
+
+class _Leased:
+    """A store used directly: none of the work runs on it, so there is nothing to discard."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def discard(self) -> None:
+        pass
+
+
+class _AsyncLeased(_Leased):
+    async def discard(self) -> None:  # type: ignore[override]
+        pass
+
+
+class _Decorated:
+    """How a decorated function's arguments give key, payload, principal and connection."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        key: str | Callable[..., str],
+        operation: str | None,
+        payload: Callable[..., Any] | None,
+        principal: str | Callable[..., str],
+        conn: str | None,
+        serializer: Serializer | None,
+    ) -> None:
+        self.signature = inspect.signature(fn)
+        for name in (key, conn):
+            if isinstance(name, str) and name not in self.signature.parameters:
+                raise ConfigurationError(f"{fn.__qualname__} has no parameter {name!r}")
+        self.key = key
+        self.operation = operation or f"{fn.__module__}.{fn.__qualname__}"
+        self.payload = payload
+        self.principal = principal
+        self.conn = conn
+        self.serializer = serializer or _serializer_for(fn)
+
+    def resolve(self, args: Any, kwargs: Any) -> dict[str, Any]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = bound.arguments
+        key = named[self.key] if isinstance(self.key, str) else self.key(*args, **kwargs)
+        if self.payload is not None:
+            payload = self.payload(*args, **kwargs)
+        else:
+            payload = {name: value for name, value in named.items() if name != self.conn}
+        principal = (
+            self.principal if isinstance(self.principal, str) else self.principal(*args, **kwargs)
+        )
+        return {
+            "key": key,
+            "operation": self.operation,
+            "payload": payload,
+            "principal": principal,
+            "conn": named[self.conn] if self.conn else None,
+            "serializer": self.serializer,
+        }
+
+
+def _serializer_for(fn: Callable[..., Any]) -> Serializer | None:
+    """A typed serializer when the function promises a dataclass or pydantic model."""
+    try:
+        hint = typing.get_type_hints(fn).get("return")
+    except (NameError, TypeError):
+        return None
+    if isinstance(hint, type) and (
+        dataclasses.is_dataclass(hint) or hasattr(hint, "model_validate_json")
+    ):
+        return TypedSerializer(hint)
+    return None
+
+
+class _Guard:
+    """What `Idempotency` and `AsyncIdempotency` share: everything but the I/O driver."""
+
+    _attempt: type[Attempt]
+    _leased: type[_Leased]
+    _capability: type[Any]
+
+    def __init__(self, store: Any, policy: Policy | None = None) -> None:
+        self.store = store
+        self.policy = policy or Policy()
+
+    def _start(
+        self,
+        key: str,
+        operation: str,
+        payload: Any,
+        principal: str,
+        conn: Any,
+        mode: Mode,
+        serializer: Serializer | None,
+    ) -> _Call:
+        scope = Scope.of(key, operation=operation, principal=principal)
+        return _Call(self._unit(conn, mode), scope, payload, self.policy, serializer, self._attempt)
+
+    def _unit(self, conn: Any, mode: Mode) -> Any:
+        if conn is None:
+            return self._leased(self.store)
+        if not isinstance(self.store, self._capability):
+            raise ConfigurationError(
+                f"{type(self.store).__name__} cannot join the app's transaction"
+            )
+        binder = cast(Any, self.store)
+        return binder.bind(conn, mode=mode, lock_timeout=self.policy.lock_timeout)
+
+    def _decorated(
+        self,
+        fn: Callable[..., Any],
+        key: str | Callable[..., str],
+        operation: str | None,
+        payload: Callable[..., Any] | None,
+        principal: str | Callable[..., str],
+        conn: str | None,
+        serializer: Serializer | None,
+    ) -> _Decorated:
+        return _Decorated(
+            fn,
+            key=key,
+            operation=operation,
+            payload=payload,
+            principal=principal,
+            conn=conn,
+            serializer=serializer,
+        )
+
+
+class Idempotency(_Guard):
+    """Runs work once per scope against a synchronous store and replays its result.
+
+    Args:
+        store: where records live (`open_store`).
+        policy: leases, retention, serialization and failure rules; defaults to `Policy()`.
+
+    >>> from idempo.stores.memory import MemoryStore
+    >>> idem = Idempotency(MemoryStore())
+    >>> calls = []
+    >>> @idem.idempotent(key="order_id")
+    ... def charge(order_id: str, amount: int) -> int:
+    ...     calls.append(order_id)
+    ...     return amount
+    >>> charge("o-1", 5), charge("o-1", 5), len(calls)
+    (5, 5, 1)
+    """
+
+    _attempt = Attempt
+    _leased = _Leased
+    _capability = TransactionalStore
+
+    def __init__(self, store: Store, policy: Policy | None = None) -> None:
+        super().__init__(store, policy)
+
+    def once(
+        self,
+        key: str,
+        *,
+        operation: str,
+        payload: Any = b"",
+        principal: str = "",
+        conn: Any = None,
+        mode: Mode = "transactional",
+        serializer: Serializer | None = None,
+    ) -> _Once:
+        """Guard a block: it runs once per scope; retries get ``attempt.result`` replayed.
+
+        Args:
+            key: the idempotency key, minted once per intent by the caller.
+            operation: what is being done (scopes the key).
+            payload: what was asked; a retry with the same key and another payload raises
+                `FingerprintMismatchError`. JSON data or bytes.
+            principal: who asked (scopes the key); ``""`` for anonymous.
+            conn: the app's database connection (psycopg, sqlite3, SQLAlchemy session). The
+                guard then owns its transaction: it begins it and commits it when the block
+                succeeds, together with the record.
+            mode: with ``conn``: ``"transactional"`` (reservation, writes and record commit
+                together) or ``"leased"`` (the reservation commits first, visible at once).
+            serializer: overrides the policy's for this call.
+
+        Raises:
+            FingerprintMismatchError: the key was used with another payload.
+            RequestInProgressError: another attempt holds the key (after ``policy.wait``).
+            ReplayedFailureError: the first execution failed deterministically.
+        """
+        return _Once(self._start(key, operation, payload, principal, conn, mode, serializer))
+
+    def idempotent(
+        self,
+        fn: Callable[P, R] | None = None,
+        *,
+        key: str | Callable[..., str],
+        operation: str | None = None,
+        payload: Callable[..., Any] | None = None,
+        principal: str | Callable[..., str] = "",
+        conn: str | None = None,
+        mode: Mode = "transactional",
+        serializer: Serializer | None = None,
+    ) -> Any:
+        """Decorate a function so it runs once per key and replays its return value.
+
+        Args:
+            key: the parameter that holds the key, or a function of the arguments.
+            operation: defaults to the function's qualified name.
+            payload: a function of the arguments giving what to fingerprint; by default all
+                arguments but ``conn``.
+            principal: a fixed principal, or a function of the arguments.
+            conn: the parameter that holds the app's connection: run in its transaction.
+            mode: see `once`.
+            serializer: defaults to a typed one when the return annotation is a dataclass or
+                pydantic model, else the policy's.
+        """
+
+        def decorate(func: Callable[P, R]) -> Callable[P, R]:
+            spec = self._decorated(func, key, operation, payload, principal, conn, serializer)
+
+            @functools.wraps(func)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
+                    if not attempt.replayed:
+                        attempt.result = func(*args, **kwargs)
+                return cast(R, attempt.result)
+
+            wrapper.idempotency = self  # type: ignore[attr-defined]
+            return wrapper
+
+        return decorate(fn) if fn is not None else decorate
+
+
+class AsyncIdempotency(_Guard):
+    """The asynchronous twin of `Idempotency`, for an `AsyncStore` and ``async def`` work.
+
+    >>> import asyncio
+    >>> from idempo.stores.memory import AsyncMemoryStore
+    >>> idem = AsyncIdempotency(AsyncMemoryStore())
+    >>> @idem.idempotent(key="event_id")
+    ... async def handle(event_id: str) -> str:
+    ...     return "done"
+    >>> asyncio.run(handle("e-1"))
+    'done'
+    """
+
+    _attempt = AsyncAttempt
+    _leased = _AsyncLeased
+    _capability = AsyncTransactionalStore
+
+    def __init__(self, store: AsyncStore, policy: Policy | None = None) -> None:
+        super().__init__(store, policy)
+
+    def once(
+        self,
+        key: str,
+        *,
+        operation: str,
+        payload: Any = b"",
+        principal: str = "",
+        conn: Any = None,
+        mode: Mode = "transactional",
+        serializer: Serializer | None = None,
+    ) -> _AsyncOnce:
+        """``async with`` twin of `Idempotency.once`; same arguments, same rules."""
+        return _AsyncOnce(self._start(key, operation, payload, principal, conn, mode, serializer))
+
+    def idempotent(
+        self,
+        fn: Callable[P, Awaitable[R]] | None = None,
+        *,
+        key: str | Callable[..., str],
+        operation: str | None = None,
+        payload: Callable[..., Any] | None = None,
+        principal: str | Callable[..., str] = "",
+        conn: str | None = None,
+        mode: Mode = "transactional",
+        serializer: Serializer | None = None,
+    ) -> Any:
+        """Decorate an ``async def``; see `Idempotency.idempotent`."""
+
+        def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+            spec = self._decorated(func, key, operation, payload, principal, conn, serializer)
+
+            @functools.wraps(func)
+            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                async with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
+                    if not attempt.replayed:
+                        attempt.result = await func(*args, **kwargs)
+                return cast(R, attempt.result)
+
+            wrapper.idempotency = self  # type: ignore[attr-defined]
+            return wrapper
+
+        return decorate(fn) if fn is not None else decorate

@@ -1,0 +1,89 @@
+"""Stores, built from URLs with lazily imported drivers.
+
+    open_store("memory://")
+    open_store("sqlite:///relative/path.db")      # or sqlite:////absolute/path.db
+    open_store("postgresql://app@db:5432/app")    # needs idempo[postgres]
+
+A ``table`` query parameter (``...?table=my_records``) names the records table.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from ..errors import ConfigurationError
+from .base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
+
+__all__ = [
+    "AsyncStore",
+    "AsyncTransactionalStore",
+    "Mode",
+    "Store",
+    "TransactionalStore",
+    "open_async_store",
+    "open_store",
+]
+
+# scheme -> (sync class, async class, extra that brings its driver)
+_SCHEMES: dict[str, tuple[str, str, str | None]] = {
+    "memory": ("idempo.stores.memory:MemoryStore", "idempo.stores.memory:AsyncMemoryStore", None),
+    "sqlite": ("idempo.stores.sqlite:SQLiteStore", "idempo.stores.sqlite:AsyncSQLiteStore", None),
+    "postgresql": (
+        "idempo.stores.postgres:PostgresStore",
+        "idempo.stores.postgres:AsyncPostgresStore",
+        "postgres",
+    ),
+}
+_SCHEMES["postgres"] = _SCHEMES["postgresql"]
+
+
+def _load(path: str, extra: str | None) -> Any:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = f": pip install 'idempo[{extra}]'" if extra else ""
+        raise ConfigurationError(f"cannot load {module_name}{hint}") from exc
+    return getattr(module, attr)
+
+
+def _parse(url: str, which: int) -> tuple[Any, list[Any], dict[str, Any]]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.split("+", 1)[0]
+    if scheme not in _SCHEMES:
+        known = ", ".join(sorted(_SCHEMES))
+        raise ConfigurationError(f"unknown store URL scheme {parts.scheme!r}; known: {known}")
+    sync_path, async_path, extra = _SCHEMES[scheme]
+    cls = _load(async_path if which else sync_path, extra)
+    query = dict(parse_qsl(parts.query))
+    options: dict[str, Any] = {}
+    if "table" in query:
+        options["table"] = query.pop("table")
+    if scheme == "memory":
+        return cls, [], options
+    if scheme == "sqlite":
+        # sqlite:///relative.db -> "relative.db"; sqlite:////abs.db -> "/abs.db"
+        path = parts.path[1:] if parts.path.startswith("/") else parts.path
+        if not path:
+            raise ConfigurationError("a sqlite URL needs a file path: sqlite:///app.db")
+        return cls, [path], options
+    rest = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode(query), parts.fragment))
+    return cls, [rest], options
+
+
+def open_store(url: str, **options: Any) -> Any:
+    """A synchronous store for ``url``; keyword options go to the store's constructor.
+
+    >>> open_store("memory://")  # doctest: +ELLIPSIS
+    <idempo.stores.memory.MemoryStore object at ...>
+    """
+    cls, args, url_options = _parse(url, 0)
+    return cls(*args, **{**url_options, **options})
+
+
+def open_async_store(url: str, **options: Any) -> Any:
+    """An asynchronous store for ``url`` (the same URLs as `open_store`)."""
+    cls, args, url_options = _parse(url, 1)
+    return cls(*args, **{**url_options, **options})

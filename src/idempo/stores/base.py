@@ -1,0 +1,163 @@
+"""What a store is: a few domain verbs, no policy.
+
+Every verb that changes a record after reservation is fenced on the token the reservation
+returned: a holder whose lease was taken over cannot complete, fail, renew or release.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .._keys import Scope
+from .._record import Record, Reservation
+
+__all__ = [
+    "AsyncStore",
+    "AsyncTransactionalStore",
+    "AsyncUnit",
+    "Mode",
+    "Store",
+    "TransactionalStore",
+    "Unit",
+]
+
+Mode = Literal["transactional", "leased"]
+"""How a guard on the app's connection commits.
+
+``transactional``: reservation, business writes and completion commit in one transaction.
+``leased``: the reservation commits at once (a duplicate sees it immediately); the business
+writes and the fenced completion commit together at the end.
+"""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """**Protocol:** a synchronous store of idempotency records."""
+
+    def reserve(
+        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+    ) -> Reservation:
+        """Atomically create the record, take over an expired lease, or report what is there."""
+        ...
+
+    def complete(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None:
+        """Store the response as COMPLETED. Raises `FencedError` if ``token`` is stale."""
+        ...
+
+    def fail(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None:
+        """Store the response as FAILED (replayed). Raises `FencedError` if ``token`` is stale."""
+        ...
+
+    def release(self, scope: Scope, token: int) -> None:
+        """Delete the reservation so a retry executes again. A stale token is a no-op."""
+        ...
+
+    def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None:
+        """Extend the lease to ``now + lease``. Raises `FencedError` if ``token`` is stale."""
+        ...
+
+    def get(self, scope: Scope) -> Record | None:
+        """The record as stored, expired or not."""
+        ...
+
+    def purge(self, *, before: datetime, limit: int = 1000) -> int:
+        """Delete up to ``limit`` records whose retention ended before ``before``."""
+        ...
+
+    def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+@runtime_checkable
+class AsyncStore(Protocol):
+    """**Protocol:** the asynchronous twin of `Store`: same verbs, awaited, plus ``aclose``."""
+
+    async def reserve(
+        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+    ) -> Reservation: ...
+
+    async def complete(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None: ...
+
+    async def fail(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None: ...
+
+    async def release(self, scope: Scope, token: int) -> None: ...
+
+    async def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None: ...
+
+    async def get(self, scope: Scope) -> Record | None: ...
+
+    async def purge(self, *, before: datetime, limit: int = 1000) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Unit(Protocol):
+    """**Protocol:** one guarded call's view of a store, possibly inside the app's transaction.
+
+    The verbs are the store's; ``discard`` throws away the work's own writes (a rollback in
+    transactional mode) before the outcome is recorded.
+    """
+
+    def reserve(
+        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+    ) -> Reservation: ...
+
+    def complete(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None: ...
+
+    def fail(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None: ...
+
+    def release(self, scope: Scope, token: int) -> None: ...
+
+    def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None: ...
+
+    def discard(self) -> None: ...
+
+
+class AsyncUnit(Protocol):
+    """**Protocol:** the asynchronous twin of `Unit`."""
+
+    async def reserve(
+        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+    ) -> Reservation: ...
+
+    async def complete(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None: ...
+
+    async def fail(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+    ) -> None: ...
+
+    async def release(self, scope: Scope, token: int) -> None: ...
+
+    async def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None: ...
+
+    async def discard(self) -> None: ...
+
+
+@runtime_checkable
+class TransactionalStore(Protocol):
+    """**Protocol:** a store that can run a guarded call on the app's own connection."""
+
+    def bind(self, conn: Any, *, mode: Mode = "transactional") -> Unit: ...
+
+
+@runtime_checkable
+class AsyncTransactionalStore(Protocol):
+    """**Protocol:** the asynchronous twin of `TransactionalStore`."""
+
+    def bind(self, conn: Any, *, mode: Mode = "transactional") -> AsyncUnit: ...

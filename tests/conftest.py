@@ -1,0 +1,104 @@
+"""Shared fixtures: real services, a fresh PostgreSQL schema per test, every store.
+
+PostgreSQL comes from IDEMPO_TEST_POSTGRES_URL (default: the machine's server). Locally a
+missing server skips its tests; with IDEMPO_TEST_REQUIRE_ALL=1 (``make test``, CI) it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from idempo.stores.memory import MemoryStore
+from idempo.stores.postgres import PostgresStore
+from idempo.stores.sqlite import SQLiteStore
+from idempo.testing import FakeClock
+
+POSTGRES_URL = os.environ.get(
+    "IDEMPO_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+REQUIRE_ALL = os.environ.get("IDEMPO_TEST_REQUIRE_ALL") == "1"
+
+
+def _postgres_reachable() -> str | None:
+    try:
+        with psycopg.connect(POSTGRES_URL, connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The server's URL, after checking it answers (fail in CI, skip locally)."""
+    problem = _postgres_reachable()
+    if problem:
+        message = f"PostgreSQL at {POSTGRES_URL} is unreachable: {problem}"
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)
+    return POSTGRES_URL
+
+
+@pytest.fixture
+def pg_schema(postgres_url: str) -> Iterator[str]:
+    """A fresh schema for one test, dropped afterwards."""
+    schema = f"t_{secrets.token_hex(6)}"
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        yield schema
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture
+def pg_store(postgres_url: str, pg_schema: str) -> Iterator[PostgresStore]:
+    """A migrated PostgresStore whose table lives in the test's own schema."""
+    store = PostgresStore(postgres_url, table=f"{pg_schema}.idempo_records", max_size=40)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[SQLiteStore]:
+    """A migrated SQLiteStore in a fresh file."""
+    store = SQLiteStore(str(tmp_path / "idempo.db"))
+    store.migrate()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+STORE_KINDS = [
+    pytest.param("memory", id="memory"),
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+]
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request: pytest.FixtureRequest) -> Any:
+    """Every store, migrated and empty."""
+    if request.param == "memory":
+        return MemoryStore()
+    return request.getfixturevalue(f"{request.param}_store")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A clock that moves only when the test says so."""
+    return FakeClock(datetime(2026, 1, 1, tzinfo=UTC))
