@@ -64,10 +64,11 @@ class SqlAlchemyTx:
                 case Statement(sql, params, fetch):
                     result = self._conn.execute(_text(sql), params)
                     return [tuple(row) for row in result] if fetch else None
-                case Begin():
-                    if self._begin is not None:
-                        self._conn.execute(_text(self._begin.sql), self._begin.params)
+                case Begin(lazy=False) if self._begin is not None:
+                    self._conn.execute(_text(self._begin.sql), self._begin.params)
                     return None
+                case Begin():
+                    return None  # SQLAlchemy begins on its own with the first statement
                 case Commit():
                     return self._conn.commit()
                 case Rollback():
@@ -104,10 +105,11 @@ class AsyncSqlAlchemyTx:
                 case Statement(sql, params, fetch):
                     result = await self._conn.execute(_text(sql), params)
                     return [tuple(row) for row in result] if fetch else None
-                case Begin():
-                    if self._begin is not None:
-                        await self._conn.execute(_text(self._begin.sql), self._begin.params)
+                case Begin(lazy=False) if self._begin is not None:
+                    await self._conn.execute(_text(self._begin.sql), self._begin.params)
                     return None
+                case Begin():
+                    return None  # SQLAlchemy begins on its own with the first statement
                 case Commit():
                     return await self._conn.commit()
                 case Rollback():

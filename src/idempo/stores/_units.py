@@ -27,7 +27,13 @@ class LockTimeoutError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Begin:
-    """Start a transaction on the app's connection unless one is open, with the lock timeout."""
+    """Start a transaction on the app's connection unless one is open.
+
+    ``lazy``: the app's first statement may start it (no lock timeout needed, and a driver
+    that would spend a round trip on BEGIN alone leaves it to ride with that statement).
+    """
+
+    lazy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +169,10 @@ class LeasedLogic:
         reservation: Reservation = yield OnStore(
             self._dialect.reserve(scope, fingerprint, now, lease, ttl)
         )
+        if isinstance(reservation, Acquired):
+            # The work's writes must wait for the fenced outcome, even on a connection the
+            # app left in autocommit mode.
+            yield Begin(lazy=True)
         return reservation
 
     def settle(

@@ -99,7 +99,10 @@ class _PsycopgTx:
         self._lock_timeout = lock_timeout
         self._on_store = on_store
         self._pipeline: ExitStack | None = None
-        self._restore_autocommit = False
+        self._restore: bool | None = None
+
+    def _idle(self) -> bool:
+        return self._conn.info.transaction_status == TransactionStatus.IDLE
 
     def run(self, gen: TxGen[T]) -> T:
         with mapped_errors():
@@ -121,9 +124,10 @@ class _PsycopgTx:
                 pipeline.close()
 
     def _ended(self) -> None:
-        if self._restore_autocommit:
-            self._restore_autocommit = False
-            self._conn.autocommit = False
+        # The app gets its connection back with the autocommit setting it had.
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            self._conn.autocommit = restore
 
     def _do(self, op: Any) -> Any:
         with mapped_errors():
@@ -134,12 +138,18 @@ class _PsycopgTx:
                         self._send()
                         return cursor.fetchall()
                     return None
+                case Begin(lazy=True):
+                    # psycopg's implicit BEGIN will travel with the app's first statement.
+                    if self._idle() and self._conn.autocommit:
+                        self._conn.autocommit = False
+                        self._restore = True
+                    return None
                 case Begin():
-                    if self._conn.info.transaction_status == TransactionStatus.IDLE:
-                        # psycopg would send its implicit BEGIN on its own; an explicit one
-                        # rides in the same batch as the reservation.
-                        self._restore_autocommit = not self._conn.autocommit
+                    # An explicit BEGIN rides in the same batch as the reservation, where
+                    # psycopg's implicit one would cost a round trip of its own.
+                    if self._idle() and not self._conn.autocommit:
                         self._conn.autocommit = True
+                        self._restore = False
                     for sql, params in _begin_statements(self._conn, self._lock_timeout):
                         self._queue(sql, params)
                     return None
@@ -177,7 +187,10 @@ class _AsyncPsycopgTx:
         self._lock_timeout = lock_timeout
         self._on_store = on_store
         self._pipeline: Any = None
-        self._restore_autocommit = False
+        self._restore: bool | None = None
+
+    def _idle(self) -> bool:
+        return self._conn.info.transaction_status == TransactionStatus.IDLE
 
     async def run(self, gen: TxGen[T]) -> T:
         with mapped_errors():
@@ -199,9 +212,9 @@ class _AsyncPsycopgTx:
                 await pipeline.__aexit__(None, None, None)
 
     async def _ended(self) -> None:
-        if self._restore_autocommit:
-            self._restore_autocommit = False
-            await self._conn.set_autocommit(False)
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            await self._conn.set_autocommit(restore)
 
     async def _do(self, op: Any) -> Any:
         with mapped_errors():
@@ -212,10 +225,15 @@ class _AsyncPsycopgTx:
                         await self._send()
                         return await cursor.fetchall()
                     return None
+                case Begin(lazy=True):
+                    if self._idle() and self._conn.autocommit:
+                        await self._conn.set_autocommit(False)
+                        self._restore = True
+                    return None
                 case Begin():
-                    if self._conn.info.transaction_status == TransactionStatus.IDLE:
-                        self._restore_autocommit = not self._conn.autocommit
+                    if self._idle() and not self._conn.autocommit:
                         await self._conn.set_autocommit(True)
+                        self._restore = False
                     for sql, params in _begin_statements(self._conn, self._lock_timeout):
                         await self._queue(sql, params)
                     return None
