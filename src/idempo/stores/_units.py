@@ -95,21 +95,25 @@ class TransactionLogic:
         self._lock_timeout = lock_timeout
         self._reserved: tuple[str, timedelta, timedelta] | None = None
         self._discarded = False
+        self._read_only = False
 
     def reserve(
         self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
     ) -> TxGen[Reservation]:
         self._reserved = (fingerprint, lease, ttl)
         self._discarded = False
+        self._read_only = False
         try:
             yield Begin()
-            return (yield from self._dialect.reserve(scope, fingerprint, now, lease, ttl))
+            reservation = yield from self._dialect.reserve(scope, fingerprint, now, lease, ttl)
         except LockTimeoutError:
             yield Rollback()
             return InProgress(retry_after=self._lock_timeout.total_seconds())
         except BaseException:
             yield Rollback()
             raise
+        self._read_only = not isinstance(reservation, Acquired)
+        return reservation
 
     def settle(
         self,
@@ -146,7 +150,10 @@ class TransactionLogic:
         yield  # a generator that does nothing
 
     def discard(self) -> TxGen[None]:
-        yield Rollback()
+        # A transaction that only read (a replay, a refusal) is committed, not rolled back:
+        # the outcome is the same, and drivers such as psycopg forget their prepared
+        # statements on every ROLLBACK.
+        yield Commit() if self._read_only else Rollback()
         self._discarded = True
 
 
