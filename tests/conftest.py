@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,9 +16,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from idempo.stores.memory import MemoryStore
-from idempo.stores.postgres import PostgresStore
-from idempo.stores.sqlite import SQLiteStore
+from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
+from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idempo.testing import FakeClock
 
 POSTGRES_URL = os.environ.get(
@@ -86,7 +86,7 @@ def sqlite_store(tmp_path: Path) -> Iterator[SQLiteStore]:
 STORE_KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+    pytest.param("pg", marks=pytest.mark.postgres, id="postgres"),  # the pg_store fixture
 ]
 
 
@@ -96,6 +96,44 @@ def store(request: pytest.FixtureRequest) -> Any:
     if request.param == "memory":
         return MemoryStore()
     return request.getfixturevalue(f"{request.param}_store")
+
+
+@pytest.fixture
+async def async_pg_store(
+    anyio_backend: str, postgres_url: str, pg_schema: str
+) -> AsyncIterator[AsyncPostgresStore]:
+    """A migrated AsyncPostgresStore whose table lives in the test's own schema."""
+    store = AsyncPostgresStore(postgres_url, table=f"{pg_schema}.idempo_records", max_size=10)
+    await store.migrate()
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
+async def async_sqlite_store(anyio_backend: str, tmp_path: Path) -> AsyncIterator[AsyncSQLiteStore]:
+    """A migrated AsyncSQLiteStore in a fresh file."""
+    store = AsyncSQLiteStore(str(tmp_path / "idempo.db"))
+    await store.migrate()
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture(params=STORE_KINDS)
+def async_store(request: pytest.FixtureRequest) -> Any:
+    """Every async store, migrated and empty (async tests only)."""
+    if request.param == "memory":
+        return AsyncMemoryStore()
+    return request.getfixturevalue(f"async_{request.param}_store")
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """Async tests run on asyncio, the loop the async stores are built for."""
+    return "asyncio"
 
 
 @pytest.fixture

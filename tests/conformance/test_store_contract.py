@@ -1,0 +1,462 @@
+"""The store contract, written once and run against every store, sync and async.
+
+Each test is an async test; a synchronous store is driven through `Threaded`, which runs
+every verb in a worker thread (as an app serving requests from threads would), so the sync
+and async code paths of every store answer to the same assertions. Time comes from the
+test's `FakeClock`: stores take ``now`` as an argument and never read a clock of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import anyio.to_thread
+import pytest
+
+from idempo import FencedError, Scope, Status
+from idempo._record import Acquired, InProgress, Mismatch, Replay, Reservation
+from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.testing import FakeClock
+
+pytestmark = pytest.mark.anyio
+
+LEASE = timedelta(seconds=30)
+TTL = timedelta(hours=1)
+TICK = timedelta(microseconds=1)
+
+
+class Threaded:
+    """A synchronous store seen through awaited verbs, each run in a worker thread."""
+
+    def __init__(self, store: Any) -> None:
+        self.sync = store
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        verb = getattr(self.sync, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await anyio.to_thread.run_sync(functools.partial(verb, *args, **kwargs))
+
+        return call
+
+
+def _faces() -> list[Any]:
+    params = []
+    for kind in ("memory", "sqlite", "pg"):
+        marks = [pytest.mark.postgres] if kind == "pg" else []
+        name = "postgres" if kind == "pg" else kind
+        params += [
+            pytest.param((kind, "sync"), marks=marks, id=f"{name}-sync"),
+            pytest.param((kind, "async"), marks=marks, id=f"{name}-async"),
+        ]
+    return params
+
+
+@pytest.fixture(params=_faces())
+def store(request: pytest.FixtureRequest) -> Any:
+    """Every store, migrated and empty, behind awaited verbs: sync ones through threads."""
+    kind, face = request.param
+    if kind == "memory":
+        return AsyncMemoryStore() if face == "async" else Threaded(MemoryStore())
+    if face == "async":
+        return request.getfixturevalue(f"async_{kind}_store")
+    return Threaded(request.getfixturevalue(f"{kind}_store"))
+
+
+class Harness:
+    """Store verbs with the test clock's ``now`` and the default lease and retention."""
+
+    def __init__(self, store: Any, clock: FakeClock) -> None:
+        self.store = store
+        self.clock = clock
+
+    async def reserve(
+        self, scope: Scope, fp: str, *, lease: timedelta = LEASE, ttl: timedelta = TTL
+    ) -> Reservation:
+        result: Reservation = await self.store.reserve(
+            scope, fp, now=self.clock(), lease=lease, ttl=ttl
+        )
+        return result
+
+    async def acquire(
+        self, scope: Scope, fp: str, *, lease: timedelta = LEASE, ttl: timedelta = TTL
+    ) -> int:
+        reservation = await self.reserve(scope, fp, lease=lease, ttl=ttl)
+        assert isinstance(reservation, Acquired), reservation
+        return reservation.token
+
+    async def complete(
+        self, scope: Scope, token: int, body: bytes, *, ttl: timedelta = TTL
+    ) -> None:
+        await self.store.complete(scope, token, body, now=self.clock(), ttl=ttl)
+
+    async def fail(self, scope: Scope, token: int, body: bytes, *, ttl: timedelta = TTL) -> None:
+        await self.store.fail(scope, token, body, now=self.clock(), ttl=ttl)
+
+    async def renew(self, scope: Scope, token: int, *, lease: timedelta = LEASE) -> None:
+        await self.store.renew(scope, token, now=self.clock(), lease=lease)
+
+
+@pytest.fixture
+def h(store: Any, clock: FakeClock) -> Harness:
+    """The store under test, driven with the test's clock."""
+    return Harness(store, clock)
+
+
+def scope(key: str = "k-1", *, operation: str = "charge", principal: str = "alice") -> Scope:
+    return Scope.of(key, operation=operation, principal=principal)
+
+
+# -- reservation -------------------------------------------------------------------------
+
+
+async def test_fresh_reserve_acquires_token_one(h: Harness) -> None:
+    """The first reservation of a scope acquires it with token 1 and no recovery point."""
+    assert await h.reserve(scope(), "fp") == Acquired(token=1, recovery_point=None)
+
+
+async def test_duplicate_during_live_lease_is_in_progress(h: Harness) -> None:
+    """A duplicate while the lease is live is told to come back when the lease ends."""
+    await h.acquire(scope(), "fp")
+    h.clock.advance(seconds=10)
+
+    verdict = await h.reserve(scope(), "fp")
+
+    assert isinstance(verdict, InProgress)
+    assert verdict.retry_after == pytest.approx(20.0, abs=0.01)
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, 1)
+
+
+async def test_completed_record_replays_byte_identical_response(h: Harness) -> None:
+    """A retry after completion replays the stored response, byte for byte, every time."""
+    body = bytes(range(256)) * 3 + b"\x00\r\n"
+    token = await h.acquire(scope(), "fp")
+    await h.complete(scope(), token, body)
+
+    for _ in range(2):
+        verdict = await h.reserve(scope(), "fp")
+        assert isinstance(verdict, Replay)
+        assert verdict.record.status is Status.COMPLETED
+        assert verdict.record.response == body
+        assert verdict.record.token == token
+
+
+async def test_failed_record_replays_the_failure(h: Harness) -> None:
+    """A deterministic failure is stored as FAILED and replayed with its response."""
+    token = await h.acquire(scope(), "fp")
+    await h.fail(scope(), token, b'{"error":"declined"}')
+
+    verdict = await h.reserve(scope(), "fp")
+
+    assert isinstance(verdict, Replay)
+    assert verdict.record.status is Status.FAILED
+    assert verdict.record.response == b'{"error":"declined"}'
+
+
+async def test_other_fingerprint_after_completion_is_a_mismatch(h: Harness) -> None:
+    """The same key with another payload after completion is refused, never replayed."""
+    token = await h.acquire(scope(), "fp")
+    await h.complete(scope(), token, b"first")
+
+    verdict = await h.reserve(scope(), "other-fp")
+
+    assert isinstance(verdict, Mismatch)
+    assert verdict.record.fingerprint == "fp"
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.status, record.response, record.fingerprint) == (
+        Status.COMPLETED,
+        b"first",
+        "fp",
+    )
+
+
+async def test_other_fingerprint_while_in_progress_is_a_mismatch(h: Harness) -> None:
+    """Another payload is a mismatch during a live lease and after it, never a takeover."""
+    await h.acquire(scope(), "fp")
+    assert isinstance(await h.reserve(scope(), "other-fp"), Mismatch)
+
+    h.clock.advance(LEASE + timedelta(seconds=1))
+    assert isinstance(await h.reserve(scope(), "other-fp"), Mismatch)
+
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.fingerprint, record.token) == ("fp", 1)
+
+
+# -- leases and fencing --------------------------------------------------------------------
+
+
+async def test_expired_lease_is_taken_over_with_the_next_token(h: Harness) -> None:
+    """A duplicate is refused until the lease's last instant and takes over from then on."""
+    await h.acquire(scope(), "fp")
+    created = h.clock()
+
+    h.clock.advance(LEASE - TICK)
+    assert isinstance(await h.reserve(scope(), "fp"), InProgress)
+
+    h.clock.advance(TICK)
+    assert await h.reserve(scope(), "fp") == Acquired(token=2, recovery_point=None)
+
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, 2)
+    assert record.lease_expires_at == h.clock() + LEASE
+    assert record.created_at == created  # still the same intent
+    assert record.updated_at == h.clock()
+
+    h.clock.advance(LEASE)
+    assert await h.reserve(scope(), "fp") == Acquired(token=3, recovery_point=None)
+
+
+async def test_stale_holder_is_fenced_out(h: Harness) -> None:
+    """After a takeover the old token can neither complete, fail nor renew, and its release
+    leaves the new holder's reservation alone."""
+    old = await h.acquire(scope(), "fp")
+    h.clock.advance(LEASE)
+    new = await h.acquire(scope(), "fp")
+    assert new == old + 1
+
+    with pytest.raises(FencedError):
+        await h.complete(scope(), old, b"zombie")
+    with pytest.raises(FencedError):
+        await h.fail(scope(), old, b"zombie")
+    with pytest.raises(FencedError):
+        await h.renew(scope(), old)
+    await h.store.release(scope(), old)
+
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.status, record.token, record.response) == (Status.IN_PROGRESS, new, None)
+
+    await h.complete(scope(), new, b"winner")
+    verdict = await h.reserve(scope(), "fp")
+    assert isinstance(verdict, Replay)
+    assert verdict.record.response == b"winner"
+
+
+async def test_settled_record_refuses_further_writes(h: Harness) -> None:
+    """Once completed, the holder's own token can no longer settle or renew, and its
+    release does not delete the completed record."""
+    token = await h.acquire(scope(), "fp")
+    await h.complete(scope(), token, b"done")
+
+    with pytest.raises(FencedError):
+        await h.complete(scope(), token, b"again")
+    with pytest.raises(FencedError):
+        await h.fail(scope(), token, b"again")
+    with pytest.raises(FencedError):
+        await h.renew(scope(), token)
+    await h.store.release(scope(), token)
+
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.status, record.response) == (Status.COMPLETED, b"done")
+
+
+async def test_verbs_on_an_unknown_scope(h: Harness) -> None:
+    """A scope never reserved has no record; settling or renewing it is fenced, releasing
+    it does nothing."""
+    assert await h.store.get(scope()) is None
+    with pytest.raises(FencedError):
+        await h.complete(scope(), 1, b"x")
+    with pytest.raises(FencedError):
+        await h.renew(scope(), 1)
+    await h.store.release(scope(), 1)
+    assert await h.store.get(scope()) is None
+
+
+async def test_renew_extends_the_lease(h: Harness) -> None:
+    """A renewed lease keeps duplicates out past the end of the original lease."""
+    lease = timedelta(seconds=10)
+    token = await h.acquire(scope(), "fp", lease=lease)
+    h.clock.advance(seconds=8)
+    await h.renew(scope(), token, lease=lease)  # now until t=18
+
+    h.clock.advance(seconds=7)  # t=15: the original lease ended at t=10
+    verdict = await h.reserve(scope(), "fp", lease=lease)
+    assert isinstance(verdict, InProgress)
+    assert verdict.retry_after == pytest.approx(3.0, abs=0.01)
+
+    record = await h.store.get(scope())
+    assert record is not None
+    assert record.token == token
+    assert record.lease_expires_at == h.clock() + timedelta(seconds=3)
+
+    h.clock.advance(seconds=3)
+    assert await h.reserve(scope(), "fp", lease=lease) == Acquired(token=token + 1)
+
+
+async def test_release_frees_the_key(h: Harness) -> None:
+    """A released key is gone: a retry executes again, with any payload."""
+    token = await h.acquire(scope(), "fp")
+    await h.store.release(scope(), token)
+    assert await h.store.get(scope()) is None
+
+    assert isinstance(await h.reserve(scope(), "fp"), Acquired)
+    again = await h.store.get(scope())
+    assert again is not None
+    await h.store.release(scope(), again.token)
+
+    assert isinstance(await h.reserve(scope(), "other-fp"), Acquired)
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.status, record.fingerprint) == (Status.IN_PROGRESS, "other-fp")
+
+
+# -- retention -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settle", ["complete", "fail"])
+async def test_record_past_retention_is_taken_over(h: Harness, settle: str) -> None:
+    """A settled record replays until its retention ends; then the key is free for any
+    payload, with a fresh history and a token that still fences the old holder."""
+    ttl = timedelta(minutes=10)
+    token = await h.acquire(scope(), "fp")
+    await getattr(h, settle)(scope(), token, b"old", ttl=ttl)
+
+    h.clock.advance(ttl - TICK)
+    assert isinstance(await h.reserve(scope(), "fp"), Replay)
+    assert isinstance(await h.reserve(scope(), "other-fp"), Mismatch)
+
+    h.clock.advance(TICK)
+    reservation = await h.reserve(scope(), "other-fp")
+    assert reservation == Acquired(token=token + 1, recovery_point=None)
+
+    record = await h.store.get(scope())
+    assert record is not None
+    assert (record.status, record.fingerprint, record.response) == (
+        Status.IN_PROGRESS,
+        "other-fp",
+        None,
+    )
+    assert record.created_at == h.clock()
+    with pytest.raises(FencedError):
+        await h.complete(scope(), token, b"zombie")
+
+
+async def test_purge_deletes_expired_records_in_bounded_batches(h: Harness) -> None:
+    """Purge deletes at most ``limit`` expired records per call, reports how many, and
+    keeps live leases, expired leases still within retention and unexpired records."""
+    short = timedelta(seconds=5)
+    for i in range(4):
+        token = await h.acquire(scope(f"done-{i}"), "fp")
+        await h.complete(scope(f"done-{i}"), token, b"r", ttl=short)
+    token = await h.acquire(scope("failed"), "fp")
+    await h.fail(scope("failed"), token, b"r", ttl=short)
+    await h.acquire(scope("abandoned"), "fp", lease=short, ttl=short)
+
+    h.clock.advance(seconds=10)  # the six above are past retention
+    await h.acquire(scope("live"), "fp", lease=timedelta(hours=2), ttl=timedelta(hours=2))
+    await h.acquire(scope("lease-over"), "fp", lease=short, ttl=TTL)
+    token = await h.acquire(scope("kept"), "fp")
+    await h.complete(scope("kept"), token, b"r")
+    h.clock.advance(seconds=10)  # "lease-over" lost its lease but keeps its retention
+
+    counts = [await h.store.purge(before=h.clock(), limit=4) for _ in range(3)]
+
+    assert counts == [4, 2, 0]
+    for key in ("live", "lease-over", "kept"):
+        assert await h.store.get(scope(key)) is not None, key
+    for key in [f"done-{i}" for i in range(4)] + ["failed", "abandoned"]:
+        assert await h.store.get(scope(key)) is None, key
+    assert isinstance(await h.reserve(scope("live"), "fp"), InProgress)
+
+
+# -- scopes, records, responses ------------------------------------------------------------
+
+
+async def test_scopes_are_independent(h: Harness) -> None:
+    """The same key under another principal or operation is a separate record."""
+    mine = scope("shared", principal="alice", operation="charge")
+    theirs = scope("shared", principal="bob", operation="charge")
+    elsewhere = scope("shared", principal="alice", operation="refund")
+    anonymous = scope("shared", principal="", operation="charge")
+
+    tokens = [await h.acquire(s, f"fp-{i}") for i, s in enumerate([mine, theirs, elsewhere])]
+    assert tokens == [1, 1, 1]
+    await h.complete(mine, 1, b"alice's answer")
+
+    assert isinstance(await h.reserve(theirs, "fp-1"), InProgress)
+    assert isinstance(await h.reserve(elsewhere, "fp-0"), Mismatch)
+    assert await h.reserve(anonymous, "fp-0") == Acquired(token=1)
+    verdict = await h.reserve(mine, "fp-0")
+    assert isinstance(verdict, Replay)
+    assert verdict.record.response == b"alice's answer"
+    assert verdict.record.scope == mine
+
+
+async def test_get_returns_the_stored_record(h: Harness) -> None:
+    """get returns every field as stored, with aware UTC times, before and after completion."""
+    s = scope("order-7", principal="tenant-1", operation="POST /payments")
+    reserved_at = h.clock()
+    token = await h.acquire(s, "f" * 64)
+
+    record = await h.store.get(s)
+    assert record is not None
+    assert record.scope == s
+    assert (record.fingerprint, record.status, record.token) == ("f" * 64, Status.IN_PROGRESS, 1)
+    assert record.response is None
+    assert record.lease_expires_at == reserved_at + LEASE
+    assert record.created_at == record.updated_at == reserved_at
+    assert record.expires_at == reserved_at + TTL
+    assert record.recovery_point is None
+
+    h.clock.advance(seconds=3)
+    await h.complete(s, token, b"201 created", ttl=timedelta(hours=5))
+
+    record = await h.store.get(s)
+    assert record is not None
+    assert (record.status, record.token, record.response) == (
+        Status.COMPLETED,
+        token,
+        b"201 created",
+    )
+    assert record.lease_expires_at is None
+    assert record.created_at == reserved_at
+    assert record.updated_at == h.clock()
+    assert record.expires_at == h.clock() + timedelta(hours=5)
+    for moment in (record.created_at, record.updated_at, record.expires_at):
+        assert moment.utcoffset() == timedelta(0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", os.urandom(512 * 1024)],
+    ids=["empty", "512KiB"],
+)
+async def test_responses_round_trip(h: Harness, body: bytes) -> None:
+    """Empty and large responses come back exactly as stored (empty is not "no response")."""
+    token = await h.acquire(scope(), "fp")
+    await h.complete(scope(), token, body)
+
+    verdict = await h.reserve(scope(), "fp")
+    assert isinstance(verdict, Replay)
+    assert verdict.record.response is not None
+    assert len(verdict.record.response) == len(body)
+    assert verdict.record.response == body
+
+
+async def test_stats_count_records_per_state(h: Harness) -> None:
+    """stats counts the records in each state and forgets released ones."""
+    assert {k: v for k, v in (await h.store.stats()).items() if v} == {}
+    for key in ("a", "b", "c"):
+        await h.acquire(scope(key), "fp")
+    await h.complete(scope("a"), 1, b"ok")
+    await h.fail(scope("b"), 1, b"no")
+    await h.acquire(scope("d"), "fp")
+    await h.store.release(scope("d"), 1)
+
+    stats = await h.store.stats()
+
+    assert {k: v for k, v in stats.items() if v} == {
+        "in_progress": 1,
+        "completed": 1,
+        "failed": 1,
+    }

@@ -1,0 +1,382 @@
+"""Races: many threads, and separately many processes, fire the same scope at the same instant.
+
+Every round releases all callers together (a barrier) at one key, over hundreds of keys. The
+work leaves a side effect that cannot lie: a business row in a table with no unique constraint
+on the key (so a second execution shows as a second row), or a locked counter for the memory
+store. Every caller must get the one execution's result (a replay) or an in-progress answer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import psycopg
+import pytest
+
+from idempo import Idempotency, Policy, RequestInProgressError
+from idempo.stores.memory import MemoryStore
+from idempo.stores.postgres import PostgresStore
+from idempo.stores.sqlite import SQLiteStore
+
+pytestmark = pytest.mark.slow
+
+THREADS = 32
+PROCESSES = 4
+KEYS = 200
+OPERATION = "race"
+BARRIER_TIMEOUT = 60.0
+# Long enough that no lease expires and no duplicate gives up waiting during a race: every
+# second execution the tests could see would then be a real bug, not a legitimate takeover.
+POLICY = Policy(lease=timedelta(minutes=5), lock_timeout=timedelta(seconds=30))
+
+Kind = Literal["executed", "replayed", "in_progress", "error"]
+# transactional: reservation, business row and completion in one transaction on the app's
+# connection; leased: mode="leased" on the app's connection; store: leased mode on the store's
+# own connections, with the business row committed on its own.
+Mode = Literal["transactional", "leased", "store"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one caller got for one key."""
+
+    kind: Kind
+    key: str
+    result: Any = None
+
+
+Call = Callable[[str], Outcome]
+
+
+def attempt(
+    idem: Idempotency,
+    key: str,
+    worker: str,
+    effect: Callable[[str, str], None],
+    *,
+    conn: Any = None,
+    mode: Literal["transactional", "leased"] = "transactional",
+) -> Outcome:
+    """One caller's guarded call: the work performs ``effect`` and returns a unique nonce."""
+    try:
+        with idem.once(key, operation=OPERATION, payload={"key": key}, conn=conn, mode=mode) as a:
+            if a.replayed:
+                return Outcome("replayed", key, a.result)
+            nonce = uuid.uuid4().hex
+            effect(key, nonce)
+            a.result = {"key": key, "worker": worker, "nonce": nonce, "token": a.token}
+    except RequestInProgressError:
+        return Outcome("in_progress", key)
+    except Exception as exc:
+        return Outcome("error", key, f"{worker}: {exc!r}")
+    return Outcome("executed", key, a.result)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A store and a way of calling it, rebuilt from plain data inside a spawned process."""
+
+    kind: Literal["sqlite", "postgres"]
+    mode: Mode
+    location: str  # the SQLite file, or the PostgreSQL URL
+    schema: str = ""
+
+    @property
+    def records(self) -> str:
+        return f"{self.schema}.idempo_records" if self.schema else "idempo_records"
+
+    @property
+    def business(self) -> str:
+        return f"{self.schema}.business" if self.schema else "business"
+
+    def open_store(self, pool_size: int = 8) -> Any:
+        if self.kind == "sqlite":
+            return SQLiteStore(self.location, busy_timeout=timedelta(seconds=30))
+        return PostgresStore(self.location, table=self.records, max_size=pool_size)
+
+    def prepare(self) -> None:
+        """Create the records table and a business table with no unique constraint."""
+        store = self.open_store(pool_size=1)
+        try:
+            store.migrate()
+        finally:
+            store.close()
+        with ExitStack() as stack:
+            conn = stack.enter_context(self.connect(store))
+            conn.execute(f"CREATE TABLE {self.business} (idem_key TEXT NOT NULL, nonce TEXT)")
+            conn.commit()
+
+    @contextmanager
+    def connect(self, store: Any) -> Iterator[Any]:
+        """An app connection: sqlite3 as the store sets it up, or psycopg."""
+        conn: Any
+        if self.kind == "sqlite":
+            conn = store.connect()
+        else:
+            conn = psycopg.connect(self.location, autocommit=self.mode == "store")
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    @contextmanager
+    def caller(self, idem: Idempotency, worker: str) -> Iterator[Call]:
+        """A call function with its own app connection, for one thread or process."""
+        with self.connect(idem.store) as conn:
+            insert = f"INSERT INTO {self.business} (idem_key, nonce) VALUES (?, ?)"
+            if self.kind == "postgres":
+                insert = insert.replace("?", "%s")
+
+            def effect(key: str, nonce: str) -> None:
+                # Transactional and leased: on the guarded transaction. Store mode: the
+                # connection is in autocommit mode, so the row commits on its own.
+                conn.execute(insert, (key, nonce))
+
+            if self.mode == "store":
+                yield lambda key: attempt(idem, key, worker, effect)
+            else:
+                mode = self.mode
+                yield lambda key: attempt(idem, key, worker, effect, conn=conn, mode=mode)
+
+    def effects(self) -> dict[str, list[str]]:
+        """The nonces of the business rows, per key."""
+        rows: dict[str, list[str]] = defaultdict(list)
+        if self.kind == "sqlite":
+            with sqlite3.connect(self.location) as conn:
+                found = conn.execute(f"SELECT idem_key, nonce FROM {self.business}").fetchall()
+            conn.close()
+        else:
+            with psycopg.connect(self.location) as pg:
+                found = pg.execute(f"SELECT idem_key, nonce FROM {self.business}").fetchall()
+        for key, nonce in found:
+            rows[key].append(nonce)
+        return rows
+
+
+@dataclass
+class Tally:
+    """How the callers fared over a whole race."""
+
+    executed: int = 0
+    replayed: int = 0
+    in_progress: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def check_exactly_once(
+    outcomes: list[Outcome], keys: list[str], callers: int, effects: dict[str, list[str]]
+) -> Tally:
+    """Exactly one execution per key, one side effect per key, and every other caller got that
+    execution's result or an in-progress answer."""
+    tally = Tally()
+    by_key: dict[str, list[Outcome]] = defaultdict(list)
+    for outcome in outcomes:
+        by_key[outcome.key].append(outcome)
+        if outcome.kind == "error":
+            tally.errors.append(outcome.result)
+        else:
+            setattr(tally, outcome.kind, getattr(tally, outcome.kind) + 1)
+    assert not tally.errors, tally.errors[:5]
+    assert set(by_key) == set(keys)
+    assert set(effects) == set(keys), "a key ran no work, or work ran for an unknown key"
+    for key in keys:
+        got = by_key[key]
+        assert len(got) == callers, (key, got)
+        executed = [o for o in got if o.kind == "executed"]
+        assert len(executed) == 1, (key, executed)
+        winner = executed[0].result
+        assert effects[key] == [winner["nonce"]], (key, effects[key], winner)
+        for outcome in got:
+            assert outcome.kind in {"executed", "replayed", "in_progress"}
+            if outcome.kind == "replayed":
+                assert outcome.result == winner, (key, outcome.result, winner)
+    return tally
+
+
+def race_threads(
+    threads: int, keys: list[str], caller: Callable[[str], Any]
+) -> list[Outcome]:
+    """Run ``threads`` threads; for each key a barrier releases all of them at once.
+
+    ``caller(worker)`` is a context manager giving one thread its call function (and its own
+    connection).
+    """
+    barrier = threading.Barrier(threads)
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def run(index: int) -> None:
+        try:
+            with caller(f"thread-{index}") as call:
+                for key in keys:
+                    barrier.wait(timeout=BARRIER_TIMEOUT)
+                    outcome = call(key)
+                    with lock:
+                        outcomes.append(outcome)
+        except BaseException:
+            barrier.abort()  # never leave the others waiting for a thread that died
+            raise
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = [pool.submit(run, index) for index in range(threads)]
+        for future in futures:
+            future.result()
+    return outcomes
+
+
+def make_keys(prefix: str) -> list[str]:
+    return [f"{prefix}-{uuid.uuid4().hex[:12]}-{n}" for n in range(KEYS)]
+
+
+# -- threads -------------------------------------------------------------------------------
+
+
+def test_threads_memory_store_executes_once_per_key() -> None:
+    """32 threads released together at each of 200 keys on MemoryStore execute each key once."""
+    idem = Idempotency(MemoryStore(), POLICY)
+    effects: dict[str, list[str]] = defaultdict(list)
+    lock = threading.Lock()
+
+    def effect(key: str, nonce: str) -> None:
+        with lock:
+            effects[key].append(nonce)
+
+    @contextmanager
+    def caller(worker: str) -> Iterator[Call]:
+        yield lambda key: attempt(idem, key, worker, effect)
+
+    keys = make_keys("mem")
+    outcomes = race_threads(THREADS, keys, caller)
+    tally = check_exactly_once(outcomes, keys, THREADS, effects)
+    assert tally.executed == KEYS
+
+
+SQL_MODES = [
+    pytest.param("transactional", id="transactional"),
+    pytest.param("leased", id="leased-on-app-connection"),
+    pytest.param("store", id="leased-on-store-connections"),
+]
+
+
+def _thread_race(target: Target) -> Tally:
+    target.prepare()
+    store = target.open_store(pool_size=8)
+    try:
+        idem = Idempotency(store, POLICY)
+        keys = make_keys(f"{target.kind}-{target.mode}")
+        outcomes = race_threads(THREADS, keys, lambda worker: target.caller(idem, worker))
+    finally:
+        store.close()
+    tally = check_exactly_once(outcomes, keys, THREADS, target.effects())
+    if target.mode == "transactional":
+        # A duplicate waits on the first attempt's lock, then replays: none is turned away.
+        assert tally.in_progress == 0, tally
+    return tally
+
+
+@pytest.mark.parametrize("mode", SQL_MODES)
+def test_threads_sqlite_execute_once_per_key(tmp_path: Path, mode: Mode) -> None:
+    """32 threads, each on its own sqlite3 connection, released together at each of 200 keys
+    of one SQLite file, leave exactly one business row per key."""
+    _thread_race(Target("sqlite", mode, str(tmp_path / "race.db")))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("mode", SQL_MODES)
+def test_threads_postgres_execute_once_per_key(
+    postgres_url: str, pg_schema: str, mode: Mode
+) -> None:
+    """32 threads, each on its own psycopg connection, released together at each of 200 keys
+    leave exactly one business row per key in PostgreSQL."""
+    _thread_race(Target("postgres", mode, postgres_url, pg_schema))
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def _process_main(
+    target: Target,
+    index: int,
+    keys: list[str],
+    barrier: Any,
+    results: Any,
+) -> None:
+    """A spawned process: its own store and connection, one call per key at the barrier."""
+    outcomes: list[Outcome] = []
+    problem = None
+    try:
+        store = target.open_store(pool_size=2)
+        try:
+            idem = Idempotency(store, POLICY)
+            with target.caller(idem, f"process-{index}") as call:
+                for key in keys:
+                    barrier.wait(timeout=BARRIER_TIMEOUT)
+                    outcomes.append(call(key))
+        finally:
+            store.close()
+    except BaseException as exc:
+        barrier.abort()
+        problem = repr(exc)
+    results.put((index, outcomes, problem))
+
+
+def _process_race(target: Target) -> Tally:
+    target.prepare()
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(PROCESSES)
+    results = context.Queue()
+    keys = make_keys(f"{target.kind}-{target.mode}-proc")
+    processes = [
+        context.Process(target=_process_main, args=(target, index, keys, barrier, results))
+        for index in range(PROCESSES)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: list[Outcome] = []
+    problems = []
+    try:
+        for _ in processes:
+            _, got, problem = results.get(timeout=150)
+            outcomes.extend(got)
+            if problem:
+                problems.append(problem)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert not problems, problems
+    assert all(process.exitcode == 0 for process in processes)
+    tally = check_exactly_once(outcomes, keys, PROCESSES, target.effects())
+    if target.mode == "transactional":
+        assert tally.in_progress == 0, tally
+    return tally
+
+
+@pytest.mark.parametrize("mode", SQL_MODES)
+def test_processes_sqlite_execute_once_per_key(tmp_path: Path, mode: Mode) -> None:
+    """4 spawned processes sharing one SQLite file, released together at each of 200 keys,
+    leave exactly one business row per key."""
+    _process_race(Target("sqlite", mode, str(tmp_path / "race.db")))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("mode", SQL_MODES)
+def test_processes_postgres_execute_once_per_key(
+    postgres_url: str, pg_schema: str, mode: Mode
+) -> None:
+    """4 spawned processes, each with its own store and connection, released together at each
+    of 200 keys leave exactly one business row per key in PostgreSQL."""
+    _process_race(Target("postgres", mode, postgres_url, pg_schema))
