@@ -130,6 +130,23 @@ def async_store(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"async_{request.param}_store")
 
 
+STORE_FACES = [
+    pytest.param((kind.values[0], face), marks=kind.marks, id=f"{kind.id}-{face}")
+    for kind in STORE_KINDS
+    for face in ("sync", "async")
+]
+
+
+@pytest.fixture(params=STORE_FACES)
+def store_face(request: pytest.FixtureRequest) -> tuple[Any, bool]:
+    """Every store in both faces (async tests only): ``(store, is_async)``."""
+    kind, face = request.param
+    is_async = face == "async"
+    if kind == "memory":
+        return (AsyncMemoryStore() if is_async else MemoryStore()), is_async
+    return request.getfixturevalue(f"async_{kind}_store" if is_async else f"{kind}_store"), is_async
+
+
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     """Async tests run on asyncio, the loop the async stores are built for."""

@@ -1,4 +1,4 @@
-"""Races: many threads, and separately many processes, fire the same scope at the same instant.
+"""Races: many threads, many processes, and many asyncio tasks fire the same scope at once.
 
 Every round releases all callers together (a barrier) at one key, over hundreds of keys. The
 work leaves a side effect that cannot lie: a business row in a table with no unique constraint
@@ -13,21 +13,23 @@ import sqlite3
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
+import anyio.lowlevel
 import psycopg
 import pytest
 
-from idempo import Idempotency, Policy, RequestInProgressError
-from idempo.stores.memory import MemoryStore
-from idempo.stores.postgres import PostgresStore
-from idempo.stores.sqlite import SQLiteStore
+from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
+from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
+from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +102,7 @@ class Target:
     def business(self) -> str:
         return f"{self.schema}.business" if self.schema else "business"
 
-    def open_store(self, pool_size: int = 8) -> Any:
+    def open_store(self, pool_size: int = 4) -> Any:
         if self.kind == "sqlite":
             return SQLiteStore(self.location, busy_timeout=timedelta(seconds=30))
         return PostgresStore(self.location, table=self.records, max_size=pool_size)
@@ -112,8 +114,7 @@ class Target:
             store.migrate()
         finally:
             store.close()
-        with ExitStack() as stack:
-            conn = stack.enter_context(self.connect(store))
+        with self.connect(store) as conn:
             conn.execute(f"CREATE TABLE {self.business} (idem_key TEXT NOT NULL, nonce TEXT)")
             conn.commit()
 
@@ -204,9 +205,7 @@ def check_exactly_once(
     return tally
 
 
-def race_threads(
-    threads: int, keys: list[str], caller: Callable[[str], Any]
-) -> list[Outcome]:
+def race_threads(threads: int, keys: list[str], caller: Callable[[str], Any]) -> list[Outcome]:
     """Run ``threads`` threads; for each key a barrier releases all of them at once.
 
     ``caller(worker)`` is a context manager giving one thread its call function (and its own
@@ -271,7 +270,7 @@ SQL_MODES = [
 
 def _thread_race(target: Target) -> Tally:
     target.prepare()
-    store = target.open_store(pool_size=8)
+    store = target.open_store(pool_size=4)
     try:
         idem = Idempotency(store, POLICY)
         keys = make_keys(f"{target.kind}-{target.mode}")
@@ -380,3 +379,140 @@ def test_processes_postgres_execute_once_per_key(
     """4 spawned processes, each with its own store and connection, released together at each
     of 200 keys leave exactly one business row per key in PostgreSQL."""
     _process_race(Target("postgres", mode, postgres_url, pg_schema))
+
+
+# -- asyncio tasks on the async stores -----------------------------------------------------
+
+TASKS = 32
+
+
+async def attempt_async(
+    idem: AsyncIdempotency,
+    key: str,
+    worker: str,
+    effect: Callable[[str, str], Awaitable[None]],
+    *,
+    conn: Any = None,
+    mode: Literal["transactional", "leased"] = "transactional",
+) -> Outcome:
+    """The asynchronous twin of `attempt`."""
+    try:
+        guard = idem.once(key, operation=OPERATION, payload={"key": key}, conn=conn, mode=mode)
+        async with guard as a:
+            if a.replayed:
+                return Outcome("replayed", key, a.result)
+            nonce = uuid.uuid4().hex
+            await effect(key, nonce)
+            a.result = {"key": key, "worker": worker, "nonce": nonce, "token": a.token}
+    except RequestInProgressError:
+        return Outcome("in_progress", key)
+    except Exception as exc:
+        return Outcome("error", key, f"{worker}: {exc!r}")
+    return Outcome("executed", key, a.result)
+
+
+AsyncCall = Callable[[str], Awaitable[Outcome]]
+
+
+async def race_tasks(calls: list[AsyncCall], keys: list[str]) -> list[Outcome]:
+    """For each key, start one task per call and release them all at once."""
+    outcomes: list[Outcome] = []
+    for key in keys:
+        go = anyio.Event()
+
+        async def fire(call: AsyncCall, go: anyio.Event = go, key: str = key) -> None:
+            await go.wait()
+            outcomes.append(await call(key))
+
+        with anyio.fail_after(BARRIER_TIMEOUT):
+            async with anyio.create_task_group() as group:
+                for call in calls:
+                    group.start_soon(fire, call)
+                await anyio.lowlevel.checkpoint()  # every task is now parked on the event
+                go.set()
+    return outcomes
+
+
+@pytest.mark.anyio
+async def test_tasks_async_memory_store_executes_once_per_key() -> None:
+    """32 tasks released together at each of 200 keys on AsyncMemoryStore execute each key
+    once."""
+    idem = AsyncIdempotency(AsyncMemoryStore(), POLICY)
+    effects: dict[str, list[str]] = defaultdict(list)
+
+    async def effect(key: str, nonce: str) -> None:
+        await anyio.lowlevel.checkpoint()  # give the duplicates a chance to arrive mid-work
+        effects[key].append(nonce)
+
+    def call_for(worker: str) -> AsyncCall:
+        return lambda key: attempt_async(idem, key, worker, effect)
+
+    keys = make_keys("amem")
+    outcomes = await race_tasks([call_for(f"task-{i}") for i in range(TASKS)], keys)
+    tally = check_exactly_once(outcomes, keys, TASKS, effects)
+    assert tally.in_progress > 0, "no duplicate ever arrived while the work ran"
+
+
+@pytest.mark.anyio
+async def test_tasks_async_sqlite_store_executes_once_per_key(tmp_path: Path) -> None:
+    """32 tasks released together at each of 200 keys on AsyncSQLiteStore (leased, on its own
+    connections) leave exactly one business row per key."""
+    target = Target("sqlite", "store", str(tmp_path / "race.db"))
+    target.prepare()
+    store = AsyncSQLiteStore(target.location, busy_timeout=timedelta(seconds=30))
+    idem = AsyncIdempotency(store, POLICY)
+    app = SQLiteStore(target.location).connect()
+    insert = f"INSERT INTO {target.business} (idem_key, nonce) VALUES (?, ?)"
+    try:
+
+        async def effect(key: str, nonce: str) -> None:
+            await anyio.to_thread.run_sync(app.execute, insert, (key, nonce))
+
+        def call_for(worker: str) -> AsyncCall:
+            return lambda key: attempt_async(idem, key, worker, effect)
+
+        keys = make_keys("asqlite")
+        outcomes = await race_tasks([call_for(f"task-{i}") for i in range(TASKS)], keys)
+    finally:
+        app.close()
+        await store.aclose()
+    check_exactly_once(outcomes, keys, TASKS, target.effects())
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", SQL_MODES)
+async def test_tasks_async_postgres_execute_once_per_key(
+    postgres_url: str, pg_schema: str, mode: Mode
+) -> None:
+    """32 tasks, each on its own psycopg AsyncConnection, released together at each of 200 keys
+    leave exactly one business row per key in PostgreSQL."""
+    target = Target("postgres", mode, postgres_url, pg_schema)
+    target.prepare()
+    store = AsyncPostgresStore(postgres_url, table=target.records, max_size=4)
+    idem = AsyncIdempotency(store, POLICY)
+    insert = f"INSERT INTO {target.business} (idem_key, nonce) VALUES (%s, %s)"
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(store.aclose)
+        calls: list[AsyncCall] = []
+        for index in range(TASKS):
+            conn = await psycopg.AsyncConnection.connect(postgres_url, autocommit=mode == "store")
+            await stack.enter_async_context(conn)
+            calls.append(_async_pg_call(idem, conn, insert, mode, f"task-{index}"))
+        keys = make_keys(f"apg-{mode}")
+        outcomes = await race_tasks(calls, keys)
+    tally = check_exactly_once(outcomes, keys, TASKS, target.effects())
+    if mode == "transactional":
+        assert tally.in_progress == 0, tally
+
+
+def _async_pg_call(
+    idem: AsyncIdempotency, conn: psycopg.AsyncConnection[Any], insert: str, mode: Mode, worker: str
+) -> AsyncCall:
+    async def effect(key: str, nonce: str) -> None:
+        await conn.execute(insert, (key, nonce))
+
+    if mode == "store":
+        return lambda key: attempt_async(idem, key, worker, effect)
+    guarded_mode: Literal["transactional", "leased"] = mode
+    return lambda key: attempt_async(idem, key, worker, effect, conn=conn, mode=guarded_mode)

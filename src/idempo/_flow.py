@@ -12,6 +12,7 @@ I/O itself, so the sync and async drivers below are the only places that differ.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Generator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -78,6 +79,13 @@ class Sleep:
 
 
 Op = Reserve | Execute | Settle | Release | Discard | Sleep
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The flow ended: ``record`` is the record to replay, or None once the work ran."""
+
+    record: Record | None
 
 
 class Codec(Protocol):
@@ -181,32 +189,47 @@ async def aperform(unit: AsyncUnit, op: Op, policy: Policy) -> Any:
         case Discard():
             return await unit.discard()
         case Sleep(seconds):
-            return await asyncio.sleep(seconds)
+            if policy.sleep is time.sleep:
+                return await asyncio.sleep(seconds)  # the default would block the event loop
+            # An injected sleep (a test's clock) must move the clock the deadline is read
+            # from; then other tasks still get their turn.
+            policy.sleep(seconds)
+            return await asyncio.sleep(0)
     raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
 
 
 Flow = Generator[Op, Any, Record | None]
 
 
-def pump(flow: Flow, unit: Unit, policy: Policy, op: Op) -> Execute:
-    """Perform operations until the flow asks for the work to run; StopIteration when done."""
-    while not isinstance(op, Execute):
-        try:
-            result = perform(unit, op, policy)
-        except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
-            op = flow.throw(exc)
-        else:
-            op = flow.send(result)
+def pump(flow: Flow, unit: Unit, policy: Policy, op: Op) -> Execute | Done:
+    """Perform operations until the flow asks for the work to run, or ends."""
+    try:
+        while not isinstance(op, Execute):
+            try:
+                result = perform(unit, op, policy)
+            except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
+                op = flow.throw(exc)
+            else:
+                op = flow.send(result)
+    except StopIteration as stop:
+        return Done(stop.value)
     return op
 
 
-async def apump(flow: Flow, unit: AsyncUnit, policy: Policy, op: Op) -> Execute:
-    """The asynchronous twin of `pump`."""
-    while not isinstance(op, Execute):
-        try:
-            result = await aperform(unit, op, policy)
-        except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
-            op = flow.throw(exc)
-        else:
-            op = flow.send(result)
+async def apump(flow: Flow, unit: AsyncUnit, policy: Policy, op: Op) -> Execute | Done:
+    """The asynchronous twin of `pump`.
+
+    The flow's StopIteration is caught here: one that escaped a coroutine would turn into a
+    RuntimeError (PEP 479).
+    """
+    try:
+        while not isinstance(op, Execute):
+            try:
+                result = await aperform(unit, op, policy)
+            except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
+                op = flow.throw(exc)
+            else:
+                op = flow.send(result)
+    except StopIteration as stop:
+        return Done(stop.value)
     return op

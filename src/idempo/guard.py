@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar, cast
 
 from ._fingerprint import fingerprint
-from ._flow import Execute, Flow, apump, guarded_call, pump
+from ._flow import Done, Execute, Flow, apump, guarded_call, pump
 from ._keys import Scope
 from ._record import Record, Status
 from .errors import ConfigurationError, IdempotencyError, ReplayedFailureError
@@ -147,6 +147,13 @@ class _Call:
         self.attempt = attempt
         return attempt
 
+    def started(self, step: Execute | Done) -> Attempt:
+        """The attempt a block works with: executing, or replaying the record the flow found."""
+        if isinstance(step, Execute):
+            return self.executing(step)
+        assert step.record is not None, "the flow ended before the work with nothing to replay"
+        return self.replayed(step.record)
+
     def resume(self, exc: BaseException | None) -> Any:
         """The first operation after the block: its result, or its exception thrown in."""
         if exc is not None:
@@ -163,11 +170,7 @@ class _Once:
 
     def __enter__(self) -> Attempt:
         call = self._call
-        try:
-            execute = pump(call.flow, call.unit, call.policy, next(call.flow))
-        except StopIteration as stop:
-            return call.replayed(stop.value)
-        return call.executing(execute)
+        return call.started(pump(call.flow, call.unit, call.policy, next(call.flow)))
 
     def __exit__(
         self,
@@ -179,13 +182,13 @@ class _Once:
         if call.attempt is None or call.attempt.replayed:
             return False
         try:
-            pump(call.flow, call.unit, call.policy, call.resume(exc))
-        except StopIteration:
-            return False
+            step = pump(call.flow, call.unit, call.policy, call.resume(exc))
         except BaseException as raised:
             if raised is exc:
                 return False
             raise
+        if isinstance(step, Done):
+            return False
         raise AssertionError("the flow asked to execute twice")
 
 
@@ -197,11 +200,8 @@ class _AsyncOnce:
 
     async def __aenter__(self) -> AsyncAttempt:
         call = self._call
-        try:
-            execute = await apump(call.flow, call.unit, call.policy, next(call.flow))
-        except StopIteration as stop:
-            return cast(AsyncAttempt, call.replayed(stop.value))
-        return cast(AsyncAttempt, call.executing(execute))
+        step = await apump(call.flow, call.unit, call.policy, next(call.flow))
+        return cast(AsyncAttempt, call.started(step))
 
     async def __aexit__(
         self,
@@ -213,13 +213,13 @@ class _AsyncOnce:
         if call.attempt is None or call.attempt.replayed:
             return False
         try:
-            await apump(call.flow, call.unit, call.policy, call.resume(exc))
-        except StopIteration:
-            return False
+            step = await apump(call.flow, call.unit, call.policy, call.resume(exc))
         except BaseException as raised:
             if raised is exc:
                 return False
             raise
+        if isinstance(step, Done):
+            return False
         raise AssertionError("the flow asked to execute twice")
 
 

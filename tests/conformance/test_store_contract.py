@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 import anyio.to_thread
@@ -19,7 +19,7 @@ import pytest
 
 from idempo import FencedError, Scope, Status
 from idempo._record import Acquired, InProgress, Mismatch, Replay, Reservation
-from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.stores.postgres import PostgresStore
 from idempo.testing import FakeClock
 
 pytestmark = pytest.mark.anyio
@@ -44,27 +44,11 @@ class Threaded:
         return call
 
 
-def _faces() -> list[Any]:
-    params = []
-    for kind in ("memory", "sqlite", "pg"):
-        marks = [pytest.mark.postgres] if kind == "pg" else []
-        name = "postgres" if kind == "pg" else kind
-        params += [
-            pytest.param((kind, "sync"), marks=marks, id=f"{name}-sync"),
-            pytest.param((kind, "async"), marks=marks, id=f"{name}-async"),
-        ]
-    return params
-
-
-@pytest.fixture(params=_faces())
-def store(request: pytest.FixtureRequest) -> Any:
+@pytest.fixture
+def store(store_face: tuple[Any, bool]) -> Any:
     """Every store, migrated and empty, behind awaited verbs: sync ones through threads."""
-    kind, face = request.param
-    if kind == "memory":
-        return AsyncMemoryStore() if face == "async" else Threaded(MemoryStore())
-    if face == "async":
-        return request.getfixturevalue(f"async_{kind}_store")
-    return Threaded(request.getfixturevalue(f"{kind}_store"))
+    store, is_async = store_face
+    return store if is_async else Threaded(store)
 
 
 class Harness:
@@ -460,3 +444,23 @@ async def test_stats_count_records_per_state(h: Harness) -> None:
         "completed": 1,
         "failed": 1,
     }
+
+
+@pytest.mark.postgres
+def test_postgres_times_are_utc_in_any_session_time_zone(
+    postgres_url: str, pg_schema: str, clock: FakeClock
+) -> None:
+    """A PostgreSQL session in another time zone still gives records in UTC."""
+    url = f"{postgres_url}?options=-c%20TimeZone%3DAsia/Tokyo"
+    store = PostgresStore(url, table=f"{pg_schema}.idempo_records")
+    try:
+        store.migrate()
+        store.reserve(scope(), "fp", now=clock(), lease=LEASE, ttl=TTL)
+        record = store.get(scope())
+    finally:
+        store.close()
+    assert record is not None
+    for moment in (record.created_at, record.updated_at, record.expires_at):
+        assert moment == clock() or moment == clock() + TTL
+        assert moment.utcoffset() == timedelta(0)
+        assert moment.tzinfo == UTC

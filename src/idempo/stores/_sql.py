@@ -264,6 +264,11 @@ class PostgresDialect(SqlDialect):
 
     name = "postgresql"
 
+    def py_time(self, value: Any) -> datetime:
+        # timestamptz comes back in the session's TimeZone; a record's times are UTC.
+        result: datetime = value.astimezone(UTC)
+        return result
+
     def ddl(self) -> list[str]:
         index = self.table.replace(".", "_") + "_expires_at"
         return [

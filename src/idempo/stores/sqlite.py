@@ -68,6 +68,12 @@ class _Sqlite3Tx:
             match op:
                 case Statement(sql, params, _):
                     return self._conn.execute(sql, params).fetchall()
+                case Begin(lazy=True):
+                    # Deferred: the work's first write takes the write lock. Taking it now
+                    # would stall every other writer, takeovers included, while the work runs.
+                    if not self._conn.in_transaction:
+                        self._conn.execute("BEGIN")
+                    return None
                 case Begin():
                     if not self._conn.in_transaction:
                         # IMMEDIATE takes the write lock now: a duplicate waits here, not in
@@ -142,10 +148,12 @@ class SQLiteStore(SqlStore):
         except BaseException as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            if isinstance(exc, LockTimeoutError):
-                raise StoreUnavailableError(f"SQLite stayed locked: {exc}") from exc
-            if isinstance(exc, sqlite3.Error):
-                raise map_error(exc) from exc
+            # Map first: a lock error from our own BEGIN IMMEDIATE arrives as sqlite3's.
+            mapped = map_error(exc) if isinstance(exc, sqlite3.Error) else exc
+            if isinstance(mapped, LockTimeoutError):
+                raise StoreUnavailableError(f"SQLite stayed locked: {mapped}") from exc
+            if mapped is not exc:
+                raise mapped from exc
             raise
         return result
 
