@@ -282,6 +282,42 @@ async def test_dataclass_and_pydantic_results_replay_as_themselves(
     assert (await guard.get("r-1", operation="receipt")).status is Status.COMPLETED
 
 
+@pytest.mark.anyio
+async def test_containers_of_dataclasses_replay_as_themselves(make_guard: GuardFactory) -> None:
+    """A ``list[Receipt] | None`` annotation round-trips a list of dataclasses, not dicts."""
+    guard = make_guard()
+
+    @guard.idempotent(key="key", operation="receipts")
+    def receipts(key: str) -> list[Receipt] | None:
+        return [Receipt(id=key, amount=1, tags=[]), Receipt(id=key, amount=2, tags=["x"])]
+
+    first = await receipts("r-1")
+    replayed = await receipts("r-1")
+    assert replayed == first
+    assert all(type(item) is Receipt for item in replayed)
+
+
+@pytest.mark.anyio
+async def test_dataclass_arguments_are_fingerprinted_by_their_fields(
+    make_guard: GuardFactory,
+) -> None:
+    """A dataclass argument counts as its fields: the same fields replay, other fields are a
+    mismatch."""
+    guard = make_guard()
+    calls = Calls()
+
+    @guard.idempotent(key="key", operation=OPERATION)
+    def pay(key: str, receipt: Receipt) -> int:
+        calls.args.append(receipt)
+        return receipt.amount
+
+    assert await pay("k-1", Receipt("r", 5, ["a"])) == 5
+    assert await pay("k-1", Receipt("r", 5, ["a"])) == 5
+    with pytest.raises(FingerprintMismatchError):
+        await pay("k-1", Receipt("r", 6, ["a"]))
+    assert len(calls) == 1
+
+
 # -- refusals ------------------------------------------------------------------------------
 
 
@@ -345,7 +381,7 @@ async def test_non_json_payload_is_refused(make_guard: GuardFactory) -> None:
 
     with pytest.raises(InvalidPayloadError):
         await work("k-1", {"a", "b"})
-    for payload in (object(), float("nan"), {1: "int key"}, 2**64):
+    for payload in (object(), float("nan"), {1: "int key"}, {"nested": b"bytes"}):
         with pytest.raises(InvalidPayloadError):
             async with guard.once("k-2", payload=payload):
                 calls.args.append(payload)
@@ -401,11 +437,11 @@ async def test_fail_on_exception_is_stored_and_replayed(make_guard: GuardFactory
 
 
 @pytest.mark.anyio
-async def test_oversized_result_is_refused_and_releases_the_key(
+async def test_oversized_result_is_refused_and_recorded_as_a_failure(
     make_guard: GuardFactory,
 ) -> None:
-    """A result over max_response_bytes raises ResponseTooLargeError, is never stored
-    (not even truncated), and a retry executes again."""
+    """A result over max_response_bytes raises ResponseTooLargeError and is never stored, not
+    even truncated; the refusal is recorded as FAILED so a retry does not run the work again."""
     guard = make_guard(max_response_bytes=100)
     calls = Calls()
 
@@ -417,11 +453,35 @@ async def test_oversized_result_is_refused_and_releases_the_key(
     with pytest.raises(ResponseTooLargeError) as info:
         await work("k-1")
     assert (info.value.size, info.value.limit) == (202, 100)
-    assert await guard.get("k-1") is None
-    with pytest.raises(ResponseTooLargeError):
+    record = await guard.get("k-1")
+    assert record.status is Status.FAILED
+    assert b"x" * 101 not in record.response
+    with pytest.raises(ReplayedFailureError) as replayed:
         await work("k-1")
-    assert len(calls) == 2
-    assert await guard.stats() == {}
+    assert replayed.value.error_type.endswith(".ResponseTooLargeError")
+    assert len(calls) == 1
+
+
+@pytest.mark.anyio
+async def test_result_the_serializer_refuses_is_recorded_as_a_failure(
+    make_guard: GuardFactory,
+) -> None:
+    """A result the serializer cannot encode raises its error once and is then replayed as a
+    failure: the work already ran, so a retry must not run it again."""
+    guard = make_guard()
+    calls = Calls()
+
+    @guard.idempotent(key="key", operation=OPERATION)
+    def work(key: str) -> object:
+        calls.args.append(key)
+        return object()
+
+    with pytest.raises(TypeError):
+        await work("k-1")
+    with pytest.raises(ReplayedFailureError) as replayed:
+        await work("k-1")
+    assert replayed.value.error_type == "builtins.TypeError"
+    assert len(calls) == 1
 
 
 # -- in progress, waiting, renewing --------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -9,18 +10,42 @@ import rfc8785
 
 from .errors import InvalidPayloadError
 
+_SAFE_INTEGER = 2**53 - 1
+# RFC 8785 numbers are IEEE doubles, so a larger integer would lose digits (two ids could
+# collide). It is hashed as an object under a key no JSON document contains in practice.
+_BIG_INTEGER_KEY = "\u0000idempo:integer"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready data: dataclasses and pydantic models as their fields, big integers exact."""
+    if isinstance(value, bool) or value is None or isinstance(value, str | float):
+        return value
+    if isinstance(value, int):
+        return value if -_SAFE_INTEGER <= value <= _SAFE_INTEGER else {_BIG_INTEGER_KEY: str(value)}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return _plain(dump(mode="json"))
+    return value
+
 
 def canonical_bytes(payload: Any) -> bytes:
     """The canonical bytes of a payload: raw bytes as given, anything else as RFC 8785 JSON.
 
     RFC 8785 fixes key order, number forms and string escaping, so two payloads that mean the
-    same JSON give the same bytes however they were built.
+    same JSON give the same bytes however they were built. Dataclasses and pydantic models
+    count as their fields.
     """
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
     try:
-        return rfc8785.dumps(payload)
-    except (rfc8785.CanonicalizationError, TypeError) as exc:
+        return rfc8785.dumps(_plain(payload))
+    except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:
         raise InvalidPayloadError(
             f"cannot fingerprint a {type(payload).__name__}: give JSON-compatible data or bytes"
         ) from exc

@@ -12,6 +12,7 @@ I/O itself, so the sync and async drivers below are the only places that differ.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Generator
 from contextlib import suppress
@@ -98,6 +99,11 @@ class Codec(Protocol):
 
     def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]: ...
 
+    def encode_unstorable(self, exc: Exception) -> bytes:
+        """The FAILED response for a result that ran but cannot be stored (too large, or
+        the serializer refused it): deterministic, so a retry must not run the work again."""
+        ...
+
 
 def guarded_call(
     scope: Scope, fingerprint: str, policy: Policy, codec: Codec
@@ -109,20 +115,30 @@ def guarded_call(
     token = reservation.token
     try:
         value = yield Execute(token, reservation.recovery_point)
-        status, body = codec.encode_result(value)
-        if status is not None and len(body) > policy.max_response_bytes:
-            raise ResponseTooLargeError(len(body), policy.max_response_bytes)
     except GeneratorExit:
         raise
     except BaseException as exc:
-        status, body = codec.encode_error(exc)
-        yield Discard()
-        # The work's own error matters more; a lease left unreleased still expires.
-        with suppress(FencedError, StoreError):
-            yield _outcome(scope, token, status, body, policy)
+        yield from _abandon(scope, token, *codec.encode_error(exc), policy)
+        raise
+    try:
+        status, body = codec.encode_result(value)
+        if status is not None and len(body) > policy.max_response_bytes:
+            raise ResponseTooLargeError(len(body), policy.max_response_bytes)
+    except Exception as exc:
+        yield from _abandon(scope, token, Status.FAILED, codec.encode_unstorable(exc), policy)
         raise
     yield _outcome(scope, token, status, body, policy)
     return None
+
+
+def _abandon(
+    scope: Scope, token: int, status: Status | None, body: bytes, policy: Policy
+) -> Generator[Op, Any, None]:
+    """Throw the work's writes away, then record the failure or release the key."""
+    yield Discard()
+    # The error being raised matters more than this one; an unreleased lease still expires.
+    with suppress(FencedError, StoreError):
+        yield _outcome(scope, token, status, body, policy)
 
 
 def _reserve(
@@ -171,7 +187,7 @@ def perform(unit: Unit, op: Op, policy: Policy) -> Any:
         case Discard():
             return unit.discard()
         case Sleep(seconds):
-            return policy.sleep(seconds)
+            return (policy.sleep or time.sleep)(seconds)
     raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
 
 
@@ -189,11 +205,13 @@ async def aperform(unit: AsyncUnit, op: Op, policy: Policy) -> Any:
         case Discard():
             return await unit.discard()
         case Sleep(seconds):
-            if policy.sleep is time.sleep:
-                return await asyncio.sleep(seconds)  # the default would block the event loop
-            # An injected sleep (a test's clock) must move the clock the deadline is read
-            # from; then other tasks still get their turn.
-            policy.sleep(seconds)
+            if policy.sleep is None:
+                return await asyncio.sleep(seconds)
+            # An injected sleep (a test's clock) moves the clock the deadline is read from;
+            # other tasks still get their turn.
+            slept = policy.sleep(seconds)
+            if inspect.isawaitable(slept):
+                return await slept
             return await asyncio.sleep(0)
     raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
 

@@ -15,7 +15,6 @@ return attempt.result
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import json
@@ -51,10 +50,13 @@ class _FunctionCodec:
 
     def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
         if isinstance(exc, self.fail_on) and not isinstance(exc, IdempotencyError):
-            kind = type(exc)
-            failure = {"error": f"{kind.__module__}.{kind.__qualname__}", "detail": str(exc)}
-            return Status.FAILED, json.dumps(failure).encode()
+            return Status.FAILED, self.encode_unstorable(exc)
         return None, b""
+
+    def encode_unstorable(self, exc: BaseException) -> bytes:
+        kind = type(exc)
+        failure = {"error": f"{kind.__module__}.{kind.__qualname__}", "detail": str(exc)}
+        return json.dumps(failure).encode()
 
     def decode(self, record: Record) -> Any:
         if record.status is Status.FAILED:
@@ -289,16 +291,21 @@ class _Decorated:
 
 
 def _serializer_for(fn: Callable[..., Any]) -> Serializer | None:
-    """A typed serializer when the function promises a dataclass or pydantic model."""
+    """A typed serializer when the return annotation says more than "JSON": dataclasses,
+    pydantic models, and containers of them come back as what the function returned."""
     try:
         hint = typing.get_type_hints(fn).get("return")
     except (NameError, TypeError):
         return None
-    if isinstance(hint, type) and (
-        dataclasses.is_dataclass(hint) or hasattr(hint, "model_validate_json")
-    ):
+    if hint in (None, type(None), object, Any) or hint in _PLAIN_JSON:
+        return None
+    try:
         return TypedSerializer(hint)
-    return None
+    except Exception:  # noqa: BLE001 - no pydantic, or a type it cannot describe: plain JSON
+        return None
+
+
+_PLAIN_JSON = (str, int, float, bool, dict, list)
 
 
 class _Guard:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -36,7 +35,9 @@ class Policy:
         max_response_bytes: a larger result is refused with `ResponseTooLargeError`.
         serializer: turns results into stored bytes and back.
         clock: the current time (aware UTC); inject a fake one in tests.
-        sleep: how to wait (``wait`` polling); inject in tests.
+        sleep: how to wait between polls (``wait``); None means the driver's own sleep
+            (``time.sleep``, or ``asyncio.sleep`` in async code). Inject a fake clock's
+            ``sleep`` in tests; in async code it may return an awaitable.
 
     >>> Policy(lease=timedelta(seconds=5)).replace(ttl=timedelta(hours=1)).ttl
     datetime.timedelta(seconds=3600)
@@ -50,7 +51,7 @@ class Policy:
     max_response_bytes: int = 1024 * 1024
     serializer: Serializer = field(default_factory=JsonSerializer)
     clock: Callable[[], datetime] = utcnow
-    sleep: Callable[[float], None] = time.sleep
+    sleep: Callable[[float], object] | None = None
 
     def __post_init__(self) -> None:
         if self.lease <= timedelta(0) or self.ttl <= timedelta(0):

@@ -238,8 +238,8 @@ class SqlDialect:
         rows = yield Statement(
             f"DELETE FROM {self.table} WHERE (principal, operation, idem_key) IN ("
             f" SELECT principal, operation, idem_key FROM {self.table}"
-            " WHERE expires_at < :before"
-            " AND (state <> 'in_progress' OR lease_expires_at < :before) LIMIT :limit)"
+            " WHERE expires_at <= :before"
+            " AND (state <> 'in_progress' OR lease_expires_at <= :before) LIMIT :limit)"
             " RETURNING 1",
             {"before": self.db_time(before), "limit": limit},
         )

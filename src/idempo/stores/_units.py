@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 from .._keys import Scope
-from .._record import Acquired, InProgress, Record, Reservation, Status
+from .._record import Acquired, InProgress, Record, Replay, Reservation, Status
 from ._sql import SqlDialect, SqlGen, Statement
 from .base import Mode
 
@@ -95,14 +95,14 @@ class TransactionLogic:
         self._lock_timeout = lock_timeout
         self._reserved: tuple[str, timedelta, timedelta] | None = None
         self._discarded = False
-        self._read_only = False
+        self._replayed = False
 
     def reserve(
         self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
     ) -> TxGen[Reservation]:
         self._reserved = (fingerprint, lease, ttl)
         self._discarded = False
-        self._read_only = False
+        self._replayed = False
         try:
             yield Begin()
             reservation = yield from self._dialect.reserve(scope, fingerprint, now, lease, ttl)
@@ -112,7 +112,7 @@ class TransactionLogic:
         except BaseException:
             yield Rollback()
             raise
-        self._read_only = not isinstance(reservation, Acquired)
+        self._replayed = isinstance(reservation, Replay)
         return reservation
 
     def settle(
@@ -150,10 +150,10 @@ class TransactionLogic:
         yield  # a generator that does nothing
 
     def discard(self) -> TxGen[None]:
-        # A transaction that only read (a replay, a refusal) is committed, not rolled back:
-        # the outcome is the same, and drivers such as psycopg forget their prepared
-        # statements on every ROLLBACK.
-        yield Commit() if self._read_only else Rollback()
+        # A replay is a success that only read: it commits, which ends it as a rollback
+        # would, without making drivers such as psycopg forget their prepared statements (they
+        # do on every ROLLBACK). Errors and refusals roll back.
+        yield Commit() if self._replayed else Rollback()
         self._discarded = True
 
 
@@ -167,6 +167,7 @@ class LeasedLogic:
 
     def __init__(self, dialect: SqlDialect) -> None:
         self._dialect = dialect
+        self._began = False
         self._discarded = False
 
     def reserve(
@@ -176,7 +177,8 @@ class LeasedLogic:
         reservation: Reservation = yield OnStore(
             self._dialect.reserve(scope, fingerprint, now, lease, ttl)
         )
-        if isinstance(reservation, Acquired):
+        self._began = isinstance(reservation, Acquired)
+        if self._began:
             # The work's writes must wait for the fenced outcome, even on a connection the
             # app left in autocommit mode.
             yield Begin(lazy=True)
@@ -210,7 +212,11 @@ class LeasedLogic:
         yield OnStore(self._dialect.renew(scope, token, now, lease))
 
     def discard(self) -> TxGen[None]:
-        yield Rollback()
+        # Only the transaction this call began is thrown away; after a replay or a refusal
+        # the app's connection is left as it was.
+        if self._began:
+            yield Rollback()
+        self._began = False
         self._discarded = True
 
 
@@ -332,20 +338,24 @@ class SqlStore(SyncUnit):
         """Run statements on the store's own connection, committed at once."""
         raise NotImplementedError
 
+    def read(self, gen: TxGen[T]) -> T:
+        """Run statements that only read; stores that lock for writes may lock less."""
+        return self.run(gen)
+
     def migrate(self) -> None:
         """Create the records table and its index if they do not exist."""
         for sql in self.dialect.ddl():
             self.run(_ddl(sql))
 
     def get(self, scope: Scope) -> Record | None:
-        return self.run(self.dialect.get(scope))
+        return self.read(self.dialect.get(scope))
 
     def purge(self, *, before: datetime, limit: int = 1000) -> int:
         return self.run(self.dialect.purge(before, limit))
 
     def stats(self) -> dict[str, int]:
         """How many records are in each state."""
-        return self.run(self.dialect.stats())
+        return self.read(self.dialect.stats())
 
 
 class AsyncSqlStore(AsyncUnit):

@@ -118,7 +118,7 @@ class MemoryStore:
             doomed = [
                 scope
                 for scope, record in self._records.items()
-                if record.expires_at < before
+                if record.expires_at <= before
                 and (record.status is not Status.IN_PROGRESS or _lease_over(record, before))
             ][:limit]
             for scope in doomed:
@@ -138,7 +138,7 @@ class MemoryStore:
 
 
 def _lease_over(record: Record, before: datetime) -> bool:
-    return record.lease_expires_at is None or record.lease_expires_at < before
+    return record.lease_expires_at is None or record.lease_expires_at <= before
 
 
 class AsyncMemoryStore:

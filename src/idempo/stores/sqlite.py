@@ -140,9 +140,16 @@ class SQLiteStore(SqlStore):
         return conn
 
     def run(self, gen: TxGen[T]) -> T:
+        return self._transaction(gen, "BEGIN IMMEDIATE")
+
+    def read(self, gen: TxGen[T]) -> T:
+        # A deferred transaction only reads a snapshot: it never waits behind a writer.
+        return self._transaction(gen, "BEGIN")
+
+    def _transaction(self, gen: TxGen[T], begin: str) -> T:
         conn = self._connection()
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(begin)
             result = _Sqlite3Tx(conn, self.run).run(gen)
             conn.execute("COMMIT")
         except BaseException as exc:
