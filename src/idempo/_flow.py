@@ -17,10 +17,11 @@ import time
 from collections.abc import Generator
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Protocol
 
 from ._keys import Scope
+from ._ops import Release, Reserve, Settle
 from ._record import Acquired, InProgress, Mismatch, Record, Replay, Status
 from .errors import (
     FencedError,
@@ -37,36 +38,9 @@ _POLL_SECONDS = 0.05
 
 
 @dataclass(frozen=True, slots=True)
-class Reserve:
-    scope: Scope
-    fingerprint: str
-    now: datetime
-    lease: timedelta
-    ttl: timedelta
-
-
-@dataclass(frozen=True, slots=True)
 class Execute:
     token: int
     recovery_point: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Settle:
-    """Complete (status COMPLETED) or fail (FAILED) the record."""
-
-    scope: Scope
-    token: int
-    status: Status
-    response: bytes
-    now: datetime
-    ttl: timedelta
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    scope: Scope
-    token: int
 
 
 @dataclass(frozen=True, slots=True)

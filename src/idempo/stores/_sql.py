@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any, NamedTuple, TypeVar
 
 from .._keys import Scope
+from .._ops import Release, Renew, Reserve, Settle
 from .._record import Acquired, InProgress, Record, Reservation, Status, judge
 from ..errors import ConfigurationError, FencedError
 
@@ -108,53 +109,33 @@ class SqlDialect:
     def ddl(self) -> list[str]:
         raise NotImplementedError
 
-    def reserve(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> SqlGen[Reservation]:
+    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         raise NotImplementedError
 
-    def settle(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> SqlGen[None]:
+    def settle(self, op: Settle) -> SqlGen[None]:
         raise NotImplementedError
 
     # -- shared ---------------------------------------------------------------------------
     def scope_params(self, scope: Scope) -> dict[str, Any]:
         return {"principal": scope.principal, "operation": scope.operation, "key": scope.key}
 
-    def reserve_params(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> dict[str, Any]:
+    def reserve_params(self, op: Reserve) -> dict[str, Any]:
         return {
-            **self.scope_params(scope),
-            "fingerprint": fingerprint,
-            "now": self.db_time(now),
-            "lease_until": self.db_time(now + lease),
-            "expires_at": self.db_time(now + max(ttl, lease)),
+            **self.scope_params(op.scope),
+            "fingerprint": op.fingerprint,
+            "now": self.db_time(op.now),
+            "lease_until": self.db_time(op.now + op.lease),
+            "expires_at": self.db_time(op.now + max(op.ttl, op.lease)),
         }
 
-    def settle_params(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> dict[str, Any]:
+    def settle_params(self, op: Settle) -> dict[str, Any]:
         return {
-            **self.scope_params(scope),
-            "token": token,
-            "state": status.value,
-            "response": response,
-            "now": self.db_time(now),
-            "expires_at": self.db_time(now + ttl),
+            **self.scope_params(op.scope),
+            "token": op.token,
+            "state": op.status.value,
+            "response": op.response,
+            "now": self.db_time(op.now),
+            "expires_at": self.db_time(op.now + op.ttl),
         }
 
     @cached_property
@@ -209,25 +190,29 @@ class SqlDialect:
             recovery_point=point,
         )
 
-    def release(self, scope: Scope, token: int) -> SqlGen[None]:
+    def release(self, op: Release) -> SqlGen[None]:
         yield Statement(
             f"DELETE FROM {self.table} WHERE {_WHERE_SCOPE}"
             " AND token = :token AND state = 'in_progress'",
-            {**self.scope_params(scope), "token": token},
+            {**self.scope_params(op.scope), "token": op.token},
             fetch=False,
         )
 
-    def renew(self, scope: Scope, token: int, now: datetime, lease: timedelta) -> SqlGen[None]:
-        until = self.db_time(now + lease)
+    def renew(self, op: Renew) -> SqlGen[None]:
         rows = yield Statement(
             f"UPDATE {self.table} SET lease_expires_at = :until, updated_at = :now,"
             " expires_at = CASE WHEN expires_at < :until THEN :until ELSE expires_at END"
             f" WHERE {_WHERE_SCOPE} AND token = :token AND state = 'in_progress'"
             " RETURNING token",
-            {**self.scope_params(scope), "token": token, "now": self.db_time(now), "until": until},
+            {
+                **self.scope_params(op.scope),
+                "token": op.token,
+                "now": self.db_time(op.now),
+                "until": self.db_time(op.now + op.lease),
+            },
         )
         if not rows:
-            raise FencedError(f"cannot renew key {scope.key!r}: token {token} is stale")
+            raise FencedError(f"cannot renew key {op.scope.key!r}: token {op.token} is stale")
 
     def get(self, scope: Scope) -> SqlGen[Record | None]:
         rows = yield Statement(self.select_sql, self.scope_params(scope))
@@ -297,16 +282,14 @@ class PostgresDialect(SqlDialect):
             " AND NOT EXISTS (SELECT 1 FROM taken)"
         )
 
-    def reserve(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> SqlGen[Reservation]:
-        params = self.reserve_params(scope, fingerprint, now, lease, ttl)
+    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
+        params = self.reserve_params(op)
         for _ in range(_RESERVE_TRIES):
             rows = yield Statement(self.reserve_sql, params)
-            reservation = self.judge_rows(rows, fingerprint, now)
+            reservation = self.judge_rows(rows, op.fingerprint, op.now)
             if reservation is not None:
                 return reservation
-        return InProgress(retry_after=min(lease.total_seconds(), 1.0))
+        return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))
 
     @cached_property
     def settle_sql(self) -> str:
@@ -321,17 +304,8 @@ class PostgresDialect(SqlDialect):
             f" ELSE CAST(concat('{FENCED_MARKER}: stale token for key ', :key) AS integer) END"
         )
 
-    def settle(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> SqlGen[None]:
-        params = self.settle_params(scope, token, status, response, now, ttl)
-        yield Statement(self.settle_sql, params, fetch=False)
+    def settle(self, op: Settle) -> SqlGen[None]:
+        yield Statement(self.settle_sql, self.settle_params(op), fetch=False)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -367,36 +341,26 @@ class SQLiteDialect(SqlDialect):
     def sqlite_insert_sql(self) -> str:
         return self.insert_sql.replace(f"INTO {self.table} AS r", f"INTO {self.table}")
 
-    def reserve(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> SqlGen[Reservation]:
+    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         # Callers run this inside one write transaction, so the three steps are atomic.
-        params = self.reserve_params(scope, fingerprint, now, lease, ttl)
+        params = self.reserve_params(op)
         rows = yield Statement(self.sqlite_insert_sql, params)
         if not rows:
             rows = yield Statement(self.takeover_sql, params)
         if rows:
             return Acquired(token=int(rows[0][5]), recovery_point=rows[0][11])
-        rows = yield Statement(self.select_sql, self.scope_params(scope))
+        rows = yield Statement(self.select_sql, self.scope_params(op.scope))
         if not rows:
-            return InProgress(retry_after=min(lease.total_seconds(), 1.0))
-        return judge(self.record(rows[0]), fingerprint, now) or InProgress(retry_after=0.0)
+            return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))
+        return judge(self.record(rows[0]), op.fingerprint, op.now) or InProgress(retry_after=0.0)
 
-    def settle(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> SqlGen[None]:
+    def settle(self, op: Settle) -> SqlGen[None]:
         rows = yield Statement(
             f"UPDATE {self.table} SET state = :state, response = :response,"
             " lease_expires_at = NULL, updated_at = :now, expires_at = :expires_at"
             f" WHERE {_WHERE_SCOPE} AND token = :token AND state = 'in_progress'"
             " RETURNING token",
-            self.settle_params(scope, token, status, response, now, ttl),
+            self.settle_params(op),
         )
         if not rows:
-            raise FencedError(f"cannot settle key {scope.key!r}: token {token} is stale")
+            raise FencedError(f"cannot settle key {op.scope.key!r}: token {op.token} is stale")

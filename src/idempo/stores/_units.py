@@ -9,11 +9,12 @@ are the only sync/async twins, and they only forward.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 from .._keys import Scope
+from .._ops import Release, Renew, Reserve, Settle
 from .._record import Acquired, InProgress, Record, Replay, Reservation, Status
 from ._sql import SqlDialect, SqlGen, Statement
 from .base import Mode
@@ -60,23 +61,13 @@ TxGen = Generator[TxOp, Any, T]
 class UnitLogic(Protocol):
     """The verbs of a `Unit` as generators of transaction operations."""
 
-    def reserve(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> TxGen[Reservation]: ...
+    def reserve(self, op: Reserve) -> TxGen[Reservation]: ...
 
-    def settle(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> TxGen[None]: ...
+    def settle(self, op: Settle) -> TxGen[None]: ...
 
-    def release(self, scope: Scope, token: int) -> TxGen[None]: ...
+    def release(self, op: Release) -> TxGen[None]: ...
 
-    def renew(self, scope: Scope, token: int, now: datetime, lease: timedelta) -> TxGen[None]: ...
+    def renew(self, op: Renew) -> TxGen[None]: ...
 
     def discard(self) -> TxGen[None]: ...
 
@@ -93,19 +84,16 @@ class TransactionLogic:
     def __init__(self, dialect: SqlDialect, lock_timeout: timedelta) -> None:
         self._dialect = dialect
         self._lock_timeout = lock_timeout
-        self._reserved: tuple[str, timedelta, timedelta] | None = None
-        self._discarded = False
+        self._reserved: Reserve | None = None
         self._replayed = False
+        self._discarded = False
 
-    def reserve(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> TxGen[Reservation]:
-        self._reserved = (fingerprint, lease, ttl)
-        self._discarded = False
-        self._replayed = False
+    def reserve(self, op: Reserve) -> TxGen[Reservation]:
+        self._reserved = op
+        self._replayed = self._discarded = False
         try:
             yield Begin()
-            reservation = yield from self._dialect.reserve(scope, fingerprint, now, lease, ttl)
+            reservation = yield from self._dialect.reserve(op)
         except LockTimeoutError:
             yield Rollback()
             return InProgress(retry_after=self._lock_timeout.total_seconds())
@@ -115,37 +103,28 @@ class TransactionLogic:
         self._replayed = isinstance(reservation, Replay)
         return reservation
 
-    def settle(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> TxGen[None]:
+    def settle(self, op: Settle) -> TxGen[None]:
         try:
             if self._discarded:
+                # The rollback took the reservation with it: take the key again, in a
+                # transaction of its own, to record the outcome.
                 assert self._reserved is not None, "settle before reserve"
-                fingerprint, lease, reserved_ttl = self._reserved
                 yield Begin()
-                again = yield from self._dialect.reserve(
-                    scope, fingerprint, now, lease, reserved_ttl
-                )
+                again = yield from self._dialect.reserve(replace(self._reserved, now=op.now))
                 if not isinstance(again, Acquired):
                     yield Rollback()
                     return
-                token = again.token
-            yield from self._dialect.settle(scope, token, status, response, now, ttl)
+                op = replace(op, token=again.token)
+            yield from self._dialect.settle(op)
             yield Commit()
         except BaseException:
             yield Rollback()
             raise
 
-    def release(self, scope: Scope, token: int) -> TxGen[None]:
+    def release(self, op: Release) -> TxGen[None]:
         yield from self.discard()
 
-    def renew(self, scope: Scope, token: int, now: datetime, lease: timedelta) -> TxGen[None]:
+    def renew(self, op: Renew) -> TxGen[None]:
         return
         yield  # a generator that does nothing
 
@@ -170,13 +149,9 @@ class LeasedLogic:
         self._began = False
         self._discarded = False
 
-    def reserve(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> TxGen[Reservation]:
+    def reserve(self, op: Reserve) -> TxGen[Reservation]:
         self._discarded = False
-        reservation: Reservation = yield OnStore(
-            self._dialect.reserve(scope, fingerprint, now, lease, ttl)
-        )
+        reservation: Reservation = yield OnStore(self._dialect.reserve(op))
         self._began = isinstance(reservation, Acquired)
         if self._began:
             # The work's writes must wait for the fenced outcome, even on a connection the
@@ -184,32 +159,23 @@ class LeasedLogic:
             yield Begin(lazy=True)
         return reservation
 
-    def settle(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> TxGen[None]:
-        statements = self._dialect.settle(scope, token, status, response, now, ttl)
+    def settle(self, op: Settle) -> TxGen[None]:
         if self._discarded:
-            yield OnStore(statements)
+            yield OnStore(self._dialect.settle(op))
             return
         try:
-            yield from statements
+            yield from self._dialect.settle(op)
             yield Commit()
         except BaseException:
             yield Rollback()
             raise
 
-    def release(self, scope: Scope, token: int) -> TxGen[None]:
+    def release(self, op: Release) -> TxGen[None]:
         yield from self.discard()
-        yield OnStore(self._dialect.release(scope, token))
+        yield OnStore(self._dialect.release(op))
 
-    def renew(self, scope: Scope, token: int, now: datetime, lease: timedelta) -> TxGen[None]:
-        yield OnStore(self._dialect.renew(scope, token, now, lease))
+    def renew(self, op: Renew) -> TxGen[None]:
+        yield OnStore(self._dialect.renew(op))
 
     def discard(self) -> TxGen[None]:
         # Only the transaction this call began is thrown away; after a replay or a refusal
@@ -218,6 +184,29 @@ class LeasedLogic:
             yield Rollback()
         self._began = False
         self._discarded = True
+
+
+class StoreLogic:
+    """Leased mode on the store's own connection: every verb commits by itself."""
+
+    def __init__(self, dialect: SqlDialect) -> None:
+        self._dialect = dialect
+
+    def reserve(self, op: Reserve) -> TxGen[Reservation]:
+        return (yield from self._dialect.reserve(op))
+
+    def settle(self, op: Settle) -> TxGen[None]:
+        yield from self._dialect.settle(op)
+
+    def release(self, op: Release) -> TxGen[None]:
+        yield from self._dialect.release(op)
+
+    def renew(self, op: Renew) -> TxGen[None]:
+        yield from self._dialect.renew(op)
+
+    def discard(self) -> TxGen[None]:
+        return
+        yield  # nothing of the work's runs on the store's connection
 
 
 class SyncUnit:
@@ -230,24 +219,26 @@ class SyncUnit:
     def reserve(
         self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
     ) -> Reservation:
-        result: Reservation = self._run(self._logic.reserve(scope, fingerprint, now, lease, ttl))
+        result: Reservation = self._run(
+            self._logic.reserve(Reserve(scope, fingerprint, now, lease, ttl))
+        )
         return result
 
     def complete(
         self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
     ) -> None:
-        self._run(self._logic.settle(scope, token, Status.COMPLETED, response, now, ttl))
+        self._run(self._logic.settle(Settle(scope, token, Status.COMPLETED, response, now, ttl)))
 
     def fail(
         self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
     ) -> None:
-        self._run(self._logic.settle(scope, token, Status.FAILED, response, now, ttl))
+        self._run(self._logic.settle(Settle(scope, token, Status.FAILED, response, now, ttl)))
 
     def release(self, scope: Scope, token: int) -> None:
-        self._run(self._logic.release(scope, token))
+        self._run(self._logic.release(Release(scope, token)))
 
     def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None:
-        self._run(self._logic.renew(scope, token, now, lease))
+        self._run(self._logic.renew(Renew(scope, token, now, lease)))
 
     def discard(self) -> None:
         self._run(self._logic.discard())
@@ -264,61 +255,30 @@ class AsyncUnit:
         self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
     ) -> Reservation:
         result: Reservation = await self._run(
-            self._logic.reserve(scope, fingerprint, now, lease, ttl)
+            self._logic.reserve(Reserve(scope, fingerprint, now, lease, ttl))
         )
         return result
 
     async def complete(
         self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
     ) -> None:
-        await self._run(self._logic.settle(scope, token, Status.COMPLETED, response, now, ttl))
+        await self._run(
+            self._logic.settle(Settle(scope, token, Status.COMPLETED, response, now, ttl))
+        )
 
     async def fail(
         self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
     ) -> None:
-        await self._run(self._logic.settle(scope, token, Status.FAILED, response, now, ttl))
+        await self._run(self._logic.settle(Settle(scope, token, Status.FAILED, response, now, ttl)))
 
     async def release(self, scope: Scope, token: int) -> None:
-        await self._run(self._logic.release(scope, token))
+        await self._run(self._logic.release(Release(scope, token)))
 
     async def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None:
-        await self._run(self._logic.renew(scope, token, now, lease))
+        await self._run(self._logic.renew(Renew(scope, token, now, lease)))
 
     async def discard(self) -> None:
         await self._run(self._logic.discard())
-
-
-class StoreLogic:
-    """Leased mode on the store's own connection: every verb commits by itself."""
-
-    def __init__(self, dialect: SqlDialect) -> None:
-        self._dialect = dialect
-
-    def reserve(
-        self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
-    ) -> TxGen[Reservation]:
-        return (yield from self._dialect.reserve(scope, fingerprint, now, lease, ttl))
-
-    def settle(
-        self,
-        scope: Scope,
-        token: int,
-        status: Status,
-        response: bytes,
-        now: datetime,
-        ttl: timedelta,
-    ) -> TxGen[None]:
-        yield from self._dialect.settle(scope, token, status, response, now, ttl)
-
-    def release(self, scope: Scope, token: int) -> TxGen[None]:
-        yield from self._dialect.release(scope, token)
-
-    def renew(self, scope: Scope, token: int, now: datetime, lease: timedelta) -> TxGen[None]:
-        yield from self._dialect.renew(scope, token, now, lease)
-
-    def discard(self) -> TxGen[None]:
-        return
-        yield  # nothing of the work's runs on the store's connection
 
 
 def _ddl(sql: str) -> SqlGen[None]:

@@ -1,0 +1,53 @@
+"""The operations on a record, as values: what the flow asks for and the stores carry out.
+
+Passing one value instead of five arguments keeps every layer's signatures short and alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from ._keys import Scope
+from ._record import Status
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Take the key, or learn what holds it."""
+
+    scope: Scope
+    fingerprint: str
+    now: datetime
+    lease: timedelta
+    ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Store the outcome: COMPLETED or FAILED, fenced on ``token``."""
+
+    scope: Scope
+    token: int
+    status: Status
+    response: bytes
+    now: datetime
+    ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Give the key up so a retry executes again; fenced on ``token``."""
+
+    scope: Scope
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Renew:
+    """Extend the lease to ``now + lease``; fenced on ``token``."""
+
+    scope: Scope
+    token: int
+    now: datetime
+    lease: timedelta
