@@ -19,9 +19,9 @@ import functools
 import inspect
 import json
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from ._fingerprint import fingerprint
 from ._flow import Done, Execute, Flow, apump, guarded_call, pump
@@ -33,9 +33,6 @@ from .serializers import Serializer, TypedSerializer
 from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
 
 __all__ = ["AsyncAttempt", "AsyncIdempotency", "Attempt", "Idempotency"]
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 class _FunctionCodec:
@@ -308,9 +305,13 @@ def _serializer_for(fn: Callable[..., Any]) -> Serializer | None:
 _PLAIN_JSON = (str, int, float, bool, dict, list)
 
 
-class _Guard:
+OnceT = TypeVar("OnceT", _Once, _AsyncOnce)
+
+
+class _Guard(Generic[OnceT]):
     """What `Idempotency` and `AsyncIdempotency` share: everything but the I/O driver."""
 
+    _once: Callable[[_Call], OnceT]
     _attempt: type[Attempt]
     _leased: type[_Leased]
     _capability: type[Any]
@@ -319,18 +320,42 @@ class _Guard:
         self.store = store
         self.policy = policy or Policy()
 
-    def _start(
+    def once(
         self,
         key: str,
+        *,
         operation: str,
-        payload: Any,
-        principal: str,
-        conn: Any,
-        mode: Mode,
-        serializer: Serializer | None,
-    ) -> _Call:
+        payload: Any = b"",
+        principal: str = "",
+        conn: Any = None,
+        mode: Mode = "transactional",
+        serializer: Serializer | None = None,
+    ) -> OnceT:
+        """Guard a block: it runs once per scope; retries get ``attempt.result`` replayed.
+
+        Use ``with`` on `Idempotency`, ``async with`` on `AsyncIdempotency`.
+
+        Args:
+            key: the idempotency key, minted once per intent by the caller.
+            operation: what is being done (scopes the key).
+            payload: what was asked; a retry with the same key and another payload raises
+                `FingerprintMismatchError`. JSON data, dataclasses, pydantic models or bytes.
+            principal: who asked (scopes the key); ``""`` for anonymous.
+            conn: the app's database connection (psycopg, sqlite3, SQLAlchemy session). The
+                guard then owns its transaction: it begins it and commits it when the block
+                succeeds, together with the record.
+            mode: with ``conn``: ``"transactional"`` (reservation, writes and record commit
+                together) or ``"leased"`` (the reservation commits first, visible at once).
+            serializer: overrides the policy's for this call.
+
+        Raises:
+            FingerprintMismatchError: the key was used with another payload.
+            RequestInProgressError: another attempt holds the key (after ``policy.wait``).
+            ReplayedFailureError: the first execution failed deterministically.
+        """
         scope = Scope.of(key, operation=operation, principal=principal)
-        return _Call(self._unit(conn, mode), scope, payload, self.policy, serializer, self._attempt)
+        unit = self._unit(conn, mode)
+        return self._once(_Call(unit, scope, payload, self.policy, serializer, self._attempt))
 
     def _unit(self, conn: Any, mode: Mode) -> Any:
         if conn is None:
@@ -342,28 +367,54 @@ class _Guard:
         binder = cast(Any, self.store)
         return binder.bind(conn, mode=mode, lock_timeout=self.policy.lock_timeout)
 
-    def _decorated(
+    def idempotent(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] | None = None,
+        *,
         key: str | Callable[..., str],
-        operation: str | None,
-        payload: Callable[..., Any] | None,
-        principal: str | Callable[..., str],
-        conn: str | None,
-        serializer: Serializer | None,
-    ) -> _Decorated:
-        return _Decorated(
-            fn,
-            key=key,
-            operation=operation,
-            payload=payload,
-            principal=principal,
-            conn=conn,
-            serializer=serializer,
-        )
+        operation: str | None = None,
+        payload: Callable[..., Any] | None = None,
+        principal: str | Callable[..., str] = "",
+        conn: str | None = None,
+        mode: Mode = "transactional",
+        serializer: Serializer | None = None,
+    ) -> Any:
+        """Decorate a function (``async def`` on `AsyncIdempotency`) so it runs once per key
+        and replays its return value.
+
+        Args:
+            key: the parameter that holds the key, or a function of the arguments.
+            operation: defaults to the function's qualified name.
+            payload: a function of the arguments giving what to fingerprint; by default all
+                arguments but ``conn``.
+            principal: a fixed principal, or a function of the arguments.
+            conn: the parameter that holds the app's connection: run in its transaction.
+            mode: see `once`.
+            serializer: defaults to a typed one when the return annotation says more than
+                plain JSON (a dataclass, a pydantic model, a list of them), else the policy's.
+        """
+
+        def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+            spec = _Decorated(
+                func,
+                key=key,
+                operation=operation,
+                payload=payload,
+                principal=principal,
+                conn=conn,
+                serializer=serializer,
+            )
+            wrapper = functools.wraps(func)(self._wrap(func, spec, mode))
+            wrapper.idempotency = self  # type: ignore[attr-defined]
+            return wrapper
+
+        return decorate(fn) if fn is not None else decorate
+
+    def _wrap(self, func: Callable[..., Any], spec: _Decorated, mode: Mode) -> Callable[..., Any]:
+        raise NotImplementedError
 
 
-class Idempotency(_Guard):
+class Idempotency(_Guard[_Once]):
     """Runs work once per scope against a synchronous store and replays its result.
 
     Args:
@@ -381,6 +432,7 @@ class Idempotency(_Guard):
     (5, 5, 1)
     """
 
+    _once = _Once
     _attempt = Attempt
     _leased = _Leased
     _capability = TransactionalStore
@@ -388,82 +440,17 @@ class Idempotency(_Guard):
     def __init__(self, store: Store, policy: Policy | None = None) -> None:
         super().__init__(store, policy)
 
-    def once(
-        self,
-        key: str,
-        *,
-        operation: str,
-        payload: Any = b"",
-        principal: str = "",
-        conn: Any = None,
-        mode: Mode = "transactional",
-        serializer: Serializer | None = None,
-    ) -> _Once:
-        """Guard a block: it runs once per scope; retries get ``attempt.result`` replayed.
+    def _wrap(self, func: Callable[..., Any], spec: _Decorated, mode: Mode) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
+                if not attempt.replayed:
+                    attempt.result = func(*args, **kwargs)
+            return attempt.result
 
-        Args:
-            key: the idempotency key, minted once per intent by the caller.
-            operation: what is being done (scopes the key).
-            payload: what was asked; a retry with the same key and another payload raises
-                `FingerprintMismatchError`. JSON data or bytes.
-            principal: who asked (scopes the key); ``""`` for anonymous.
-            conn: the app's database connection (psycopg, sqlite3, SQLAlchemy session). The
-                guard then owns its transaction: it begins it and commits it when the block
-                succeeds, together with the record.
-            mode: with ``conn``: ``"transactional"`` (reservation, writes and record commit
-                together) or ``"leased"`` (the reservation commits first, visible at once).
-            serializer: overrides the policy's for this call.
-
-        Raises:
-            FingerprintMismatchError: the key was used with another payload.
-            RequestInProgressError: another attempt holds the key (after ``policy.wait``).
-            ReplayedFailureError: the first execution failed deterministically.
-        """
-        return _Once(self._start(key, operation, payload, principal, conn, mode, serializer))
-
-    def idempotent(
-        self,
-        fn: Callable[P, R] | None = None,
-        *,
-        key: str | Callable[..., str],
-        operation: str | None = None,
-        payload: Callable[..., Any] | None = None,
-        principal: str | Callable[..., str] = "",
-        conn: str | None = None,
-        mode: Mode = "transactional",
-        serializer: Serializer | None = None,
-    ) -> Any:
-        """Decorate a function so it runs once per key and replays its return value.
-
-        Args:
-            key: the parameter that holds the key, or a function of the arguments.
-            operation: defaults to the function's qualified name.
-            payload: a function of the arguments giving what to fingerprint; by default all
-                arguments but ``conn``.
-            principal: a fixed principal, or a function of the arguments.
-            conn: the parameter that holds the app's connection: run in its transaction.
-            mode: see `once`.
-            serializer: defaults to a typed one when the return annotation is a dataclass or
-                pydantic model, else the policy's.
-        """
-
-        def decorate(func: Callable[P, R]) -> Callable[P, R]:
-            spec = self._decorated(func, key, operation, payload, principal, conn, serializer)
-
-            @functools.wraps(func)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
-                    if not attempt.replayed:
-                        attempt.result = func(*args, **kwargs)
-                return cast(R, attempt.result)
-
-            wrapper.idempotency = self  # type: ignore[attr-defined]
-            return wrapper
-
-        return decorate(fn) if fn is not None else decorate
+        return wrapper
 
 
-class AsyncIdempotency(_Guard):
+class AsyncIdempotency(_Guard[_AsyncOnce]):
     """The asynchronous twin of `Idempotency`, for an `AsyncStore` and ``async def`` work.
 
     >>> import asyncio
@@ -476,6 +463,7 @@ class AsyncIdempotency(_Guard):
     'done'
     """
 
+    _once = _AsyncOnce
     _attempt = AsyncAttempt
     _leased = _AsyncLeased
     _capability = AsyncTransactionalStore
@@ -483,45 +471,11 @@ class AsyncIdempotency(_Guard):
     def __init__(self, store: AsyncStore, policy: Policy | None = None) -> None:
         super().__init__(store, policy)
 
-    def once(
-        self,
-        key: str,
-        *,
-        operation: str,
-        payload: Any = b"",
-        principal: str = "",
-        conn: Any = None,
-        mode: Mode = "transactional",
-        serializer: Serializer | None = None,
-    ) -> _AsyncOnce:
-        """``async with`` twin of `Idempotency.once`; same arguments, same rules."""
-        return _AsyncOnce(self._start(key, operation, payload, principal, conn, mode, serializer))
+    def _wrap(self, func: Callable[..., Any], spec: _Decorated, mode: Mode) -> Callable[..., Any]:
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            async with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
+                if not attempt.replayed:
+                    attempt.result = await func(*args, **kwargs)
+            return attempt.result
 
-    def idempotent(
-        self,
-        fn: Callable[P, Awaitable[R]] | None = None,
-        *,
-        key: str | Callable[..., str],
-        operation: str | None = None,
-        payload: Callable[..., Any] | None = None,
-        principal: str | Callable[..., str] = "",
-        conn: str | None = None,
-        mode: Mode = "transactional",
-        serializer: Serializer | None = None,
-    ) -> Any:
-        """Decorate an ``async def``; see `Idempotency.idempotent`."""
-
-        def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-            spec = self._decorated(func, key, operation, payload, principal, conn, serializer)
-
-            @functools.wraps(func)
-            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                async with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
-                    if not attempt.replayed:
-                        attempt.result = await func(*args, **kwargs)
-                return cast(R, attempt.result)
-
-            wrapper.idempotency = self  # type: ignore[attr-defined]
-            return wrapper
-
-        return decorate(fn) if fn is not None else decorate
+        return wrapper
