@@ -302,10 +302,13 @@ async def test_record_past_retention_is_taken_over(h: Harness, settle: str) -> N
     """A settled record replays until its retention ends; then the key is free for any
     payload, with a fresh history and a token that still fences the old holder."""
     ttl = timedelta(minutes=10)
-    token = await h.acquire(scope(), "fp")
+    token = await h.acquire(scope(), "fp", ttl=ttl)
     await getattr(h, settle)(scope(), token, b"old", ttl=ttl)
+    settled = await h.store.get(scope())
+    assert settled is not None
+    assert settled.expires_at >= h.clock() + ttl
 
-    h.clock.advance(ttl - TICK)
+    h.clock.advance(settled.expires_at - h.clock() - TICK)
     assert isinstance(await h.reserve(scope(), "fp"), Replay)
     assert isinstance(await h.reserve(scope(), "other-fp"), Mismatch)
 
@@ -330,9 +333,9 @@ async def test_purge_deletes_expired_records_in_bounded_batches(h: Harness) -> N
     keeps live leases, expired leases still within retention and unexpired records."""
     short = timedelta(seconds=5)
     for i in range(4):
-        token = await h.acquire(scope(f"done-{i}"), "fp")
+        token = await h.acquire(scope(f"done-{i}"), "fp", lease=short, ttl=short)
         await h.complete(scope(f"done-{i}"), token, b"r", ttl=short)
-    token = await h.acquire(scope("failed"), "fp")
+    token = await h.acquire(scope("failed"), "fp", lease=short, ttl=short)
     await h.fail(scope("failed"), token, b"r", ttl=short)
     await h.acquire(scope("abandoned"), "fp", lease=short, ttl=short)
 
@@ -376,6 +379,27 @@ async def test_scopes_are_independent(h: Harness) -> None:
     assert verdict.record.scope == mine
 
 
+async def test_retention_after_completion_is_at_least_the_ttl(h: Harness) -> None:
+    """A record completed within its lease keeps its expiry from reservation, which is already
+    at least ttl after completion; completing later moves the expiry to ttl after completion."""
+    early, late = scope("early"), scope("late")
+    early_token = await h.acquire(early, "fp")
+    late_token = await h.acquire(late, "fp")
+    reserved_at = h.clock()
+    h.clock.advance(seconds=10)
+    await h.complete(early, early_token, b"ok", ttl=TTL)
+    early_record = await h.store.get(early)
+    assert early_record is not None
+    assert early_record.expires_at == reserved_at + LEASE + TTL
+    assert early_record.expires_at >= h.clock() + TTL
+    h.clock.advance(timedelta(hours=2))
+    await h.store.renew(late, late_token, now=h.clock(), lease=LEASE)
+    await h.complete(late, late_token, b"ok", ttl=TTL)
+    late_record = await h.store.get(late)
+    assert late_record is not None
+    assert late_record.expires_at == h.clock() + TTL
+
+
 async def test_get_returns_the_stored_record(h: Harness) -> None:
     """get returns every field as stored, with aware UTC times, before and after completion."""
     s = scope("order-7", principal="tenant-1", operation="POST /payments")
@@ -389,7 +413,7 @@ async def test_get_returns_the_stored_record(h: Harness) -> None:
     assert record.response is None
     assert record.lease_expires_at == reserved_at + LEASE
     assert record.created_at == record.updated_at == reserved_at
-    assert record.expires_at == reserved_at + TTL
+    assert record.expires_at == reserved_at + LEASE + TTL
     assert record.recovery_point is None
 
     h.clock.advance(seconds=3)
@@ -461,6 +485,6 @@ def test_postgres_times_are_utc_in_any_session_time_zone(
         store.close()
     assert record is not None
     for moment in (record.created_at, record.updated_at, record.expires_at):
-        assert moment == clock() or moment == clock() + TTL
+        assert moment == clock() or moment == clock() + LEASE + TTL
         assert moment.utcoffset() == timedelta(0)
         assert moment.tzinfo == UTC

@@ -51,7 +51,7 @@ class MemoryStore:
                 response=None,
                 created_at=current.created_at if current and keeps_history else now,
                 updated_at=now,
-                expires_at=now + max(ttl, lease),
+                expires_at=now + lease + ttl,
                 recovery_point=current.recovery_point if current and keeps_history else None,
             )
             return Acquired(token=token, recovery_point=self._records[scope].recovery_point)
@@ -79,7 +79,7 @@ class MemoryStore:
                 response=bytes(response),
                 lease_expires_at=None,
                 updated_at=now,
-                expires_at=now + ttl,
+                expires_at=max(record.expires_at, now + ttl),
             )
 
     def complete(
