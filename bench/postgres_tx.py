@@ -11,6 +11,9 @@ Scenarios, each on its own dedicated connection(s):
     idemkit_replay        idemkit replaying an already-completed key
     idempo                this library, transactional mode on the app's connection
     idempo_replay         idempo replaying an already-completed key
+    idempo_leased         leased mode on the app's connection (reservation commits first)
+    idempo_store          leased mode on the store's own connections (no shared transaction)
+    *_replay              the same mode replaying an already-completed key
 
 Scenarios run in interleaved rounds with a rotating order, and the table reports the median
 ops/s, so one noisy moment on a shared machine does not decide a ratio. Round trips are
@@ -249,62 +252,69 @@ class IdempoGuard:
 
 
 def make_idempo_guard(dsn: str) -> IdempoGuard:
-    """Build idempo on its own store; raises ImportError until the library lands.
+    """idempo on its own store; the app connection is a default psycopg connection
+    (autocommit off), like `bare`'s."""
+    from idempo import Idempotency
+    from idempo.stores.postgres import PostgresStore
 
-    The app connection is a default psycopg connection (autocommit off), like `bare`'s.
-    """
-    # One statement binds both idempo.Idempotency and idempo.stores.postgres.PostgresStore;
-    # two `from` imports would sort differently before and after the store module exists.
-    import idempo.stores.postgres
-
-    store = idempo.stores.postgres.PostgresStore(dsn, table=IDEMPO_TABLE)
+    store = PostgresStore(dsn, table=IDEMPO_TABLE)
     store.migrate()
-    return IdempoGuard(idempo.Idempotency(store), store, psycopg.connect(dsn))
+    return IdempoGuard(Idempotency(store), store, psycopg.connect(dsn))
 
 
-def idempo_pay(idem: Any, conn: psycopg.Connection[Any], key: str) -> Any:
-    """IDEMPO API UNDER TEST: one guarded call, transactional mode on the app's connection.
-
-    The guard begins and commits the transaction on `conn`; on a replay the body is skipped
-    and `attempt.result` holds the stored value. Returns the attempt.
-    """
-    with idem.once(key, operation=OPERATION, payload={"amount": AMOUNT}, conn=conn) as attempt:
+def idempo_pay(idem: Any, conn: psycopg.Connection[Any], key: str, mode: str) -> Any:
+    """One guarded call on the app's connection. With ``mode="store"`` the guard runs on the
+    store's own connections and the business insert commits by itself (no shared transaction);
+    otherwise the guard owns the transaction on ``conn`` in the given mode."""
+    on_conn = {} if mode == "store" else {"conn": conn, "mode": mode}
+    with idem.once(key, operation=OPERATION, payload={"amount": AMOUNT}, **on_conn) as attempt:
         if not attempt.replayed:
             conn.execute(INSERT_PAYMENT, (key, AMOUNT))
+            if mode == "store":
+                conn.commit()
             attempt.result = {"id": key}
     return attempt
 
 
-def idempo_fresh(idem: Any, conn: psycopg.Connection[Any], key: str) -> None:
-    """IDEMPO: a fresh key must run the body once and not replay."""
-    attempt = idempo_pay(idem, conn, key)
-    if attempt.replayed:
+def idempo_fresh(idem: Any, conn: psycopg.Connection[Any], key: str, mode: str) -> None:
+    """A fresh key must run the body once and not replay."""
+    if idempo_pay(idem, conn, key, mode).replayed:
         raise RuntimeError(f"idempo replayed fresh key {key}")
 
 
-def idempo_replay(idem: Any, conn: psycopg.Connection[Any], key: str) -> None:
-    """IDEMPO: a completed key must replay its stored result without running the body."""
-    attempt = idempo_pay(idem, conn, key)
+def idempo_replay(idem: Any, conn: psycopg.Connection[Any], key: str, mode: str) -> None:
+    """A completed key must replay its stored result without running the body."""
+    attempt = idempo_pay(idem, conn, key, mode)
     if not attempt.replayed or attempt.result != {"id": key}:
         raise RuntimeError(f"idempo did not replay completed key {key}")
 
 
-def make_idempo(dsn: str) -> Scenario:
-    guard = make_idempo_guard(dsn)
-    return Scenario(
-        "idempo",
-        lambda: idempo_fresh(guard.idem, guard.conn, fresh_key("idempo")),
-        guard.close,
-    )
+def idempo_factories(mode: str) -> tuple[ScenarioFactory, ScenarioFactory]:
+    """Fresh-key and replay scenarios for one mode."""
+    suffix = "" if mode == "transactional" else f"_{mode}"
+
+    def fresh(dsn: str) -> Scenario:
+        guard = make_idempo_guard(dsn)
+        name = f"idempo{suffix}"
+        return Scenario(
+            name,
+            lambda: idempo_fresh(guard.idem, guard.conn, fresh_key(name), mode),
+            guard.close,
+        )
+
+    def replay(dsn: str) -> Scenario:
+        guard = make_idempo_guard(dsn)
+        name = f"idempo{suffix}_replay"
+        key = fresh_key(name)
+        idempo_fresh(guard.idem, guard.conn, key, mode)
+        return Scenario(name, lambda: idempo_replay(guard.idem, guard.conn, key, mode), guard.close)
+
+    return fresh, replay
 
 
-def make_idempo_replay(dsn: str) -> Scenario:
-    guard = make_idempo_guard(dsn)
-    key = fresh_key("idempo_replay")
-    idempo_fresh(guard.idem, guard.conn, key)
-    return Scenario(
-        "idempo_replay", lambda: idempo_replay(guard.idem, guard.conn, key), guard.close
-    )
+make_idempo, make_idempo_replay = idempo_factories("transactional")
+make_idempo_leased, make_idempo_leased_replay = idempo_factories("leased")
+make_idempo_store, make_idempo_store_replay = idempo_factories("store")
 
 
 # Order is the table's order; "kind" says what one op is when reading round trips.
@@ -318,12 +328,19 @@ FACTORIES: dict[str, tuple[str, ScenarioFactory]] = {
     "idemkit_replay": ("replay", make_idemkit_replay),
     "idempo": ("fresh", make_idempo),
     "idempo_replay": ("replay", make_idempo_replay),
+    "idempo_leased": ("fresh", make_idempo_leased),
+    "idempo_leased_replay": ("replay", make_idempo_leased_replay),
+    "idempo_store": ("fresh", make_idempo_store),
+    "idempo_store_replay": ("replay", make_idempo_store_replay),
 }
 
 RATIOS: list[tuple[str, str]] = [
     ("idempo", "handwritten"),
     ("idempo", "bare"),
     ("idempo_replay", "bare_select"),
+    ("idempo_leased", "bare"),
+    ("idempo_leased_replay", "bare_select"),
+    ("idempo_store_replay", "bare_select"),
     ("idempo", "idemkit"),
     ("idempo_replay", "idemkit_replay"),
     ("handwritten", "bare"),

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from helpers import Database
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
@@ -145,6 +146,35 @@ def store_face(request: pytest.FixtureRequest) -> tuple[Any, bool]:
     if kind == "memory":
         return (AsyncMemoryStore() if is_async else MemoryStore()), is_async
     return request.getfixturevalue(f"async_{kind}_store" if is_async else f"{kind}_store"), is_async
+
+
+@pytest.fixture
+def sqlite_database(tmp_path: Path) -> Database:
+    """A fresh SQLite file with a migrated records table and no business table yet."""
+    database = Database("sqlite", str(tmp_path / "app.db"))
+    database.migrate()
+    return database
+
+
+@pytest.fixture
+def postgres_database(postgres_url: str, pg_schema: str) -> Database:
+    """The test's own PostgreSQL schema with a migrated records table and no business table
+    yet."""
+    database = Database("postgres", postgres_url, pg_schema)
+    database.migrate()
+    return database
+
+
+DATABASE_KINDS = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+]
+
+
+@pytest.fixture(params=DATABASE_KINDS)
+def database(request: pytest.FixtureRequest) -> Database:
+    """Every real database, SQLite and PostgreSQL, with a migrated records table."""
+    return request.getfixturevalue(f"{request.param}_database")
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from typing import Any, Literal
 import psycopg
 import pytest
 
+from helpers import Database, new_key
 from idempo import (
     Idempotency,
     Policy,
@@ -37,14 +37,14 @@ from idempo import (
     StoreUnavailableError,
 )
 from idempo.policy import utcnow
-from idempo.stores.postgres import PostgresStore
-from idempo.stores.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.slow
 
 OPERATION = "crash"
 LEASE = timedelta(seconds=1)
 MESSAGE_TIMEOUT = 30.0  # a cold child imports psycopg and idempo before it says anything
+BUSY_TIMEOUT = timedelta(seconds=10)  # SQLite's, for the parent's store
+BUSINESS_COLUMNS = "idem_key TEXT NOT NULL, token INTEGER, worker TEXT"
 # transactional / leased: on the app's connection; store: leased on the store's own connections
 Mode = Literal["transactional", "leased", "store"]
 
@@ -100,70 +100,20 @@ else:
 """
 
 
-@dataclass(frozen=True)
-class Setup:
-    """One store, its business table, and how the parent and the child reach them."""
-
-    kind: Literal["sqlite", "postgres"]
-    location: str  # the SQLite file, or the PostgreSQL URL
-    schema: str = ""
-
-    @property
-    def records_table(self) -> str:
-        return f"{self.schema}.idempo_records" if self.schema else "idempo_records"
-
-    @property
-    def business(self) -> str:
-        return f"{self.schema}.business" if self.schema else "business"
-
-    def sql(self, text: str) -> str:
-        """``text`` with ``?`` placeholders in this database's style."""
-        return text.replace("?", "%s") if self.kind == "postgres" else text
+class Setup(Database):
+    """A database with the crash tests' business table, and what the parent reads from it."""
 
     @property
     def insert(self) -> str:
-        return self.sql(f"INSERT INTO {self.business} (idem_key, token, worker) VALUES (?, ?, ?)")
-
-    def store(self, busy_timeout: timedelta = timedelta(seconds=10)) -> Any:
-        if self.kind == "sqlite":
-            return SQLiteStore(self.location, busy_timeout=busy_timeout)
-        return PostgresStore(self.location, table=self.records_table, max_size=4)
-
-    def connect(self, store: Any, *, autocommit: bool = False) -> Any:
-        if self.kind == "sqlite":
-            return store.connect()  # autocommit: the guard begins its own transactions
-        return psycopg.connect(self.location, autocommit=autocommit)
-
-    def prepare(self) -> None:
-        store = self.store()
-        try:
-            store.migrate()
-            conn = self.connect(store)
-            try:
-                conn.execute(
-                    f"CREATE TABLE {self.business} (idem_key TEXT NOT NULL, token INTEGER,"
-                    " worker TEXT)"
-                )
-                conn.commit()
-            finally:
-                conn.close()
-        finally:
-            store.close()
-
-    def select(self, text: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        """Rows as a fresh connection sees them, read without waiting on any lock."""
-        if self.kind == "sqlite":
-            conn = sqlite3.connect(self.location)
-            try:
-                return [tuple(row) for row in conn.execute(text, params).fetchall()]
-            finally:
-                conn.close()
-        with psycopg.connect(self.location) as pg:
-            return [tuple(row) for row in pg.execute(self.sql(text), params).fetchall()]
+        return self.sql(
+            f"INSERT INTO {self.business_table} (idem_key, token, worker) VALUES (?, ?, ?)"
+        )
 
     def rows(self) -> list[tuple[Any, ...]]:
         """The business rows as (token, worker)."""
-        return self.select(f"SELECT token, worker FROM {self.business} ORDER BY token, worker")
+        return self.select(
+            f"SELECT token, worker FROM {self.business_table} ORDER BY token, worker"
+        )
 
     def records(self) -> list[tuple[Any, ...]]:
         """The records as (state, token)."""
@@ -312,8 +262,8 @@ class Parent:
 
 
 @contextmanager
-def parent(setup: Setup, mode: Mode, **store_options: Any) -> Iterator[Parent]:
-    store = setup.store(**store_options)
+def parent(setup: Setup, mode: Mode, *, busy_timeout: timedelta = BUSY_TIMEOUT) -> Iterator[Parent]:
+    store = setup.store(busy_timeout=busy_timeout)
     conn = setup.connect(store, autocommit=mode == "store")
     try:
         yield Parent(setup, store, conn, mode)
@@ -322,20 +272,17 @@ def parent(setup: Setup, mode: Mode, **store_options: Any) -> Iterator[Parent]:
         store.close()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def setup(request: pytest.FixtureRequest, tmp_path: Path) -> Setup:
+def with_business_table(database: Database) -> Setup:
+    """``database`` as a `Setup`, with an empty business table."""
+    setup = Setup(**asdict(database))
+    setup.create_business_table(BUSINESS_COLUMNS)
+    return setup
+
+
+@pytest.fixture
+def setup(database: Database) -> Setup:
     """A migrated store with an empty business table (no unique constraint on the key)."""
-    if request.param == "sqlite":
-        made = Setup("sqlite", str(tmp_path / "crash.db"))
-    else:
-        url = request.getfixturevalue("postgres_url")
-        made = Setup("postgres", url, request.getfixturevalue("pg_schema"))
-    made.prepare()
-    return made
-
-
-def new_key() -> str:
-    return f"k-{uuid.uuid4().hex}"
+    return with_business_table(database)
 
 
 # -- transactional mode --------------------------------------------------------------------
@@ -470,12 +417,11 @@ def test_paused_holder_is_fenced_after_a_takeover(setup: Setup, mode: Mode, tmp_
 # -- faults --------------------------------------------------------------------------------
 
 
-def test_sqlite_locked_past_the_busy_timeout_fails_closed(tmp_path: Path) -> None:
+def test_sqlite_locked_past_the_busy_timeout_fails_closed(sqlite_database: Database) -> None:
     """While another connection keeps SQLite's write lock past the busy timeout, a guarded call
     on the store's own connections raises StoreUnavailableError (an IdempotencyError) and runs
     nothing, while reading a record still answers from its WAL snapshot."""
-    setup = Setup("sqlite", str(tmp_path / "locked.db"))
-    setup.prepare()
+    setup = with_business_table(sqlite_database)
     holder = sqlite3.connect(setup.location, isolation_level=None)
     try:
         holder.execute("BEGIN IMMEDIATE")

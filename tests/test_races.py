@@ -9,16 +9,14 @@ store. Every caller must get the one execution's result (a replay) or an in-prog
 from __future__ import annotations
 
 import multiprocessing
-import sqlite3
 import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AsyncExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import anyio
@@ -26,10 +24,9 @@ import anyio.lowlevel
 import psycopg
 import pytest
 
+from helpers import Database
 from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
-from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
-from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +35,7 @@ PROCESSES = 4
 KEYS = 200
 OPERATION = "race"
 BARRIER_TIMEOUT = 60.0
+BUSY_TIMEOUT = timedelta(seconds=30)  # SQLite's
 # Long enough that no lease expires and no duplicate gives up waiting during a race: every
 # second execution the tests could see would then be a real bug, not a legitimate takeover.
 POLICY = Policy(lease=timedelta(minutes=5), lock_timeout=timedelta(seconds=30))
@@ -61,6 +59,13 @@ class Outcome:
 Call = Callable[[str], Outcome]
 
 
+def refused(key: str, worker: str, exc: Exception) -> Outcome:
+    """What a caller whose guarded call raised got: an in-progress answer, or an error."""
+    if isinstance(exc, RequestInProgressError):
+        return Outcome("in_progress", key)
+    return Outcome("error", key, f"{worker}: {exc!r}")
+
+
 def attempt(
     idem: Idempotency,
     key: str,
@@ -78,66 +83,37 @@ def attempt(
             nonce = uuid.uuid4().hex
             effect(key, nonce)
             a.result = {"key": key, "worker": worker, "nonce": nonce, "token": a.token}
-    except RequestInProgressError:
-        return Outcome("in_progress", key)
     except Exception as exc:
-        return Outcome("error", key, f"{worker}: {exc!r}")
+        return refused(key, worker, exc)
     return Outcome("executed", key, a.result)
 
 
 @dataclass(frozen=True)
 class Target:
-    """A store and a way of calling it, rebuilt from plain data inside a spawned process."""
+    """A database and a way of calling it, rebuilt from plain data inside a spawned process."""
 
-    kind: Literal["sqlite", "postgres"]
+    database: Database
     mode: Mode
-    location: str  # the SQLite file, or the PostgreSQL URL
-    schema: str = ""
-
-    @property
-    def records(self) -> str:
-        return f"{self.schema}.idempo_records" if self.schema else "idempo_records"
-
-    @property
-    def business(self) -> str:
-        return f"{self.schema}.business" if self.schema else "business"
 
     def open_store(self, pool_size: int = 4) -> Any:
-        if self.kind == "sqlite":
-            return SQLiteStore(self.location, busy_timeout=timedelta(seconds=30))
-        return PostgresStore(self.location, table=self.records, max_size=pool_size)
+        return self.database.store(busy_timeout=BUSY_TIMEOUT, pool_size=pool_size)
 
     def prepare(self) -> None:
-        """Create the records table and a business table with no unique constraint."""
-        store = self.open_store(pool_size=1)
-        try:
-            store.migrate()
-        finally:
-            store.close()
-        with self.connect(store) as conn:
-            conn.execute(f"CREATE TABLE {self.business} (idem_key TEXT NOT NULL, nonce TEXT)")
-            conn.commit()
+        """Create a business table with no unique constraint on the key."""
+        self.database.create_business_table("idem_key TEXT NOT NULL, nonce TEXT")
 
-    @contextmanager
-    def connect(self, store: Any) -> Iterator[Any]:
-        """An app connection: sqlite3 as the store sets it up, or psycopg."""
-        conn: Any
-        if self.kind == "sqlite":
-            conn = store.connect()
-        else:
-            conn = psycopg.connect(self.location, autocommit=self.mode == "store")
-        try:
-            yield conn
-        finally:
-            conn.close()
+    @property
+    def insert(self) -> str:
+        return self.database.sql(
+            f"INSERT INTO {self.database.business_table} (idem_key, nonce) VALUES (?, ?)"
+        )
 
     @contextmanager
     def caller(self, idem: Idempotency, worker: str) -> Iterator[Call]:
         """A call function with its own app connection, for one thread or process."""
-        with self.connect(idem.store) as conn:
-            insert = f"INSERT INTO {self.business} (idem_key, nonce) VALUES (?, ?)"
-            if self.kind == "postgres":
-                insert = insert.replace("?", "%s")
+        conn = self.database.connect(idem.store, autocommit=self.mode == "store")
+        with closing(conn):
+            insert = self.insert
 
             def effect(key: str, nonce: str) -> None:
                 # Transactional and leased: on the guarded transaction. Store mode: the
@@ -153,14 +129,8 @@ class Target:
     def effects(self) -> dict[str, list[str]]:
         """The nonces of the business rows, per key."""
         rows: dict[str, list[str]] = defaultdict(list)
-        if self.kind == "sqlite":
-            with sqlite3.connect(self.location) as conn:
-                found = conn.execute(f"SELECT idem_key, nonce FROM {self.business}").fetchall()
-            conn.close()
-        else:
-            with psycopg.connect(self.location) as pg:
-                found = pg.execute(f"SELECT idem_key, nonce FROM {self.business}").fetchall()
-        for key, nonce in found:
+        business = self.database.business_table
+        for key, nonce in self.database.select(f"SELECT idem_key, nonce FROM {business}"):
             rows[key].append(nonce)
         return rows
 
@@ -202,6 +172,15 @@ def check_exactly_once(
             assert outcome.kind in {"executed", "replayed", "in_progress"}
             if outcome.kind == "replayed":
                 assert outcome.result == winner, (key, outcome.result, winner)
+    return tally
+
+
+def check_race(target: Target, outcomes: list[Outcome], keys: list[str], callers: int) -> Tally:
+    """`check_exactly_once` against the target's business rows; in transactional mode a
+    duplicate waits on the first attempt's lock, then replays: none is turned away."""
+    tally = check_exactly_once(outcomes, keys, callers, target.effects())
+    if target.mode == "transactional":
+        assert tally.in_progress == 0, tally
     return tally
 
 
@@ -273,32 +252,18 @@ def _thread_race(target: Target) -> Tally:
     store = target.open_store(pool_size=4)
     try:
         idem = Idempotency(store, POLICY)
-        keys = make_keys(f"{target.kind}-{target.mode}")
+        keys = make_keys(f"{target.database.kind}-{target.mode}")
         outcomes = race_threads(THREADS, keys, lambda worker: target.caller(idem, worker))
     finally:
         store.close()
-    tally = check_exactly_once(outcomes, keys, THREADS, target.effects())
-    if target.mode == "transactional":
-        # A duplicate waits on the first attempt's lock, then replays: none is turned away.
-        assert tally.in_progress == 0, tally
-    return tally
+    return check_race(target, outcomes, keys, THREADS)
 
 
 @pytest.mark.parametrize("mode", SQL_MODES)
-def test_threads_sqlite_execute_once_per_key(tmp_path: Path, mode: Mode) -> None:
-    """32 threads, each on its own sqlite3 connection, released together at each of 200 keys
-    of one SQLite file, leave exactly one business row per key."""
-    _thread_race(Target("sqlite", mode, str(tmp_path / "race.db")))
-
-
-@pytest.mark.postgres
-@pytest.mark.parametrize("mode", SQL_MODES)
-def test_threads_postgres_execute_once_per_key(
-    postgres_url: str, pg_schema: str, mode: Mode
-) -> None:
-    """32 threads, each on its own psycopg connection, released together at each of 200 keys
-    leave exactly one business row per key in PostgreSQL."""
-    _thread_race(Target("postgres", mode, postgres_url, pg_schema))
+def test_threads_execute_once_per_key(database: Database, mode: Mode) -> None:
+    """32 threads, each on its own sqlite3 or psycopg connection, released together at each
+    of 200 keys of one SQLite file or of PostgreSQL, leave exactly one business row per key."""
+    _thread_race(Target(database, mode))
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -335,7 +300,7 @@ def _process_race(target: Target) -> Tally:
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(PROCESSES)
     results = context.Queue()
-    keys = make_keys(f"{target.kind}-{target.mode}-proc")
+    keys = make_keys(f"{target.database.kind}-{target.mode}-proc")
     processes = [
         context.Process(target=_process_main, args=(target, index, keys, barrier, results))
         for index in range(PROCESSES)
@@ -358,27 +323,15 @@ def _process_race(target: Target) -> Tally:
                 process.join()
     assert not problems, problems
     assert all(process.exitcode == 0 for process in processes)
-    tally = check_exactly_once(outcomes, keys, PROCESSES, target.effects())
-    if target.mode == "transactional":
-        assert tally.in_progress == 0, tally
-    return tally
+    return check_race(target, outcomes, keys, PROCESSES)
 
 
 @pytest.mark.parametrize("mode", SQL_MODES)
-def test_processes_sqlite_execute_once_per_key(tmp_path: Path, mode: Mode) -> None:
-    """4 spawned processes sharing one SQLite file, released together at each of 200 keys,
-    leave exactly one business row per key."""
-    _process_race(Target("sqlite", mode, str(tmp_path / "race.db")))
-
-
-@pytest.mark.postgres
-@pytest.mark.parametrize("mode", SQL_MODES)
-def test_processes_postgres_execute_once_per_key(
-    postgres_url: str, pg_schema: str, mode: Mode
-) -> None:
-    """4 spawned processes, each with its own store and connection, released together at each
-    of 200 keys leave exactly one business row per key in PostgreSQL."""
-    _process_race(Target("postgres", mode, postgres_url, pg_schema))
+def test_processes_execute_once_per_key(database: Database, mode: Mode) -> None:
+    """4 spawned processes, each with its own store and connection, sharing one SQLite file or
+    PostgreSQL and released together at each of 200 keys, leave exactly one business row per
+    key."""
+    _process_race(Target(database, mode))
 
 
 # -- asyncio tasks on the async stores -----------------------------------------------------
@@ -404,10 +357,8 @@ async def attempt_async(
             nonce = uuid.uuid4().hex
             await effect(key, nonce)
             a.result = {"key": key, "worker": worker, "nonce": nonce, "token": a.token}
-    except RequestInProgressError:
-        return Outcome("in_progress", key)
     except Exception as exc:
-        return Outcome("error", key, f"{worker}: {exc!r}")
+        return refused(key, worker, exc)
     return Outcome("executed", key, a.result)
 
 
@@ -454,15 +405,15 @@ async def test_tasks_async_memory_store_executes_once_per_key() -> None:
 
 
 @pytest.mark.anyio
-async def test_tasks_async_sqlite_store_executes_once_per_key(tmp_path: Path) -> None:
+async def test_tasks_async_sqlite_store_executes_once_per_key(sqlite_database: Database) -> None:
     """32 tasks released together at each of 200 keys on AsyncSQLiteStore (leased, on its own
     connections) leave exactly one business row per key."""
-    target = Target("sqlite", "store", str(tmp_path / "race.db"))
+    target = Target(sqlite_database, "store")
     target.prepare()
-    store = AsyncSQLiteStore(target.location, busy_timeout=timedelta(seconds=30))
+    store = sqlite_database.async_store(busy_timeout=BUSY_TIMEOUT)
     idem = AsyncIdempotency(store, POLICY)
-    app = SQLiteStore(target.location).connect()
-    insert = f"INSERT INTO {target.business} (idem_key, nonce) VALUES (?, ?)"
+    app = sqlite_database.store().connect()
+    insert = target.insert
     try:
 
         async def effect(key: str, nonce: str) -> None:
@@ -476,34 +427,33 @@ async def test_tasks_async_sqlite_store_executes_once_per_key(tmp_path: Path) ->
     finally:
         app.close()
         await store.aclose()
-    check_exactly_once(outcomes, keys, TASKS, target.effects())
+    check_race(target, outcomes, keys, TASKS)
 
 
 @pytest.mark.postgres
 @pytest.mark.anyio
 @pytest.mark.parametrize("mode", SQL_MODES)
 async def test_tasks_async_postgres_execute_once_per_key(
-    postgres_url: str, pg_schema: str, mode: Mode
+    postgres_database: Database, mode: Mode
 ) -> None:
     """32 tasks, each on its own psycopg AsyncConnection, released together at each of 200 keys
     leave exactly one business row per key in PostgreSQL."""
-    target = Target("postgres", mode, postgres_url, pg_schema)
+    target = Target(postgres_database, mode)
     target.prepare()
-    store = AsyncPostgresStore(postgres_url, table=target.records, max_size=4)
+    store = postgres_database.async_store(pool_size=4)
     idem = AsyncIdempotency(store, POLICY)
-    insert = f"INSERT INTO {target.business} (idem_key, nonce) VALUES (%s, %s)"
     async with AsyncExitStack() as stack:
         stack.push_async_callback(store.aclose)
         calls: list[AsyncCall] = []
         for index in range(TASKS):
-            conn = await psycopg.AsyncConnection.connect(postgres_url, autocommit=mode == "store")
+            conn = await psycopg.AsyncConnection.connect(
+                postgres_database.location, autocommit=mode == "store"
+            )
             await stack.enter_async_context(conn)
-            calls.append(_async_pg_call(idem, conn, insert, mode, f"task-{index}"))
+            calls.append(_async_pg_call(idem, conn, target.insert, mode, f"task-{index}"))
         keys = make_keys(f"apg-{mode}")
         outcomes = await race_tasks(calls, keys)
-    tally = check_exactly_once(outcomes, keys, TASKS, target.effects())
-    if mode == "transactional":
-        assert tally.in_progress == 0, tally
+    check_race(target, outcomes, keys, TASKS)
 
 
 def _async_pg_call(

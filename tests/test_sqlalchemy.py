@@ -7,16 +7,13 @@ second row. What is committed is always read through a separate, plain driver co
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import psycopg
@@ -25,9 +22,8 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
+from helpers import Database, new_key
 from idempo import AsyncIdempotency, Idempotency, Policy
-from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
-from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 
 OPERATION = "pay"
 DUPLICATES = 4
@@ -35,25 +31,13 @@ DUPLICATES = 4
 POLICY = Policy(lock_timeout=timedelta(seconds=20))
 
 
-@dataclass(frozen=True)
-class Database:
-    """A database with a records table and a business table, and the ways to reach it."""
-
-    kind: Literal["sqlite", "postgres"]
-    location: str  # the SQLite file, or the libpq URL
-    schema: str = ""
-
-    @property
-    def records(self) -> str:
-        return f"{self.schema}.idempo_records" if self.schema else "idempo_records"
-
-    @property
-    def business(self) -> str:
-        return f"{self.schema}.payments" if self.schema else "payments"
+class AppDatabase(Database):
+    """A database whose business table holds payments, reached through SQLAlchemy by the app
+    and through a plain driver connection by the test."""
 
     @property
     def insert(self) -> str:
-        return f"INSERT INTO {self.business} (idem_key, worker) VALUES (:key, :worker)"
+        return f"INSERT INTO {self.business_table} (idem_key, worker) VALUES (:key, :worker)"
 
     def url(self, *, asynchronous: bool) -> str:
         if self.kind == "sqlite":
@@ -64,77 +48,46 @@ class Database:
             )
         return self.location.replace("postgresql://", "postgresql+psycopg://", 1)
 
-    def store(self) -> Any:
-        if self.kind == "sqlite":
-            return SQLiteStore(self.location)
-        return PostgresStore(self.location, table=self.records, max_size=4)
-
-    def async_store(self) -> Any:
-        if self.kind == "sqlite":
-            return AsyncSQLiteStore(self.location)
-        return AsyncPostgresStore(self.location, table=self.records, max_size=4)
-
-    def select(self, sql: str) -> list[tuple[Any, ...]]:
-        """Committed rows, read through a plain driver connection of their own."""
-        if self.kind == "sqlite":
-            conn = sqlite3.connect(self.location)
-            try:
-                return [tuple(row) for row in conn.execute(sql).fetchall()]
-            finally:
-                conn.close()
-        with psycopg.connect(self.location) as pg:
-            return [tuple(row) for row in pg.execute(sql).fetchall()]
-
     def rows(self) -> list[tuple[Any, ...]]:
         """The business rows as (key, worker)."""
-        return self.select(f"SELECT idem_key, worker FROM {self.business} ORDER BY worker")
+        return self.select(f"SELECT idem_key, worker FROM {self.business_table} ORDER BY worker")
 
     def records_seen(self) -> list[tuple[Any, ...]]:
         """The records as (key, state, token)."""
-        return self.select(f"SELECT idem_key, state, token FROM {self.records}")
+        return self.select(f"SELECT idem_key, state, token FROM {self.records_table}")
 
-    def lock_waiters(self) -> int:
-        """PostgreSQL: how many backends wait on a lock in a statement on our records table."""
+    def wait_for_lock_waiters(self, count: int) -> None:
+        """PostgreSQL: wait (10 s at most) until ``count`` backends wait on a lock in a statement
+        on our records table."""
+        deadline = time.monotonic() + 10
+        while self._lock_waiters() < count:
+            assert time.monotonic() < deadline, "the duplicates never waited on the lock"
+            time.sleep(0.01)
+
+    def _lock_waiters(self) -> int:
         found = self.select(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            f" AND query LIKE '%{self.records}%'"
+            f" AND query LIKE '%{self.records_table}%'"
         )
         return int(found[0][0])
 
 
-def _prepare(database: Database) -> Database:
-    store = database.store()
-    try:
-        store.migrate()
-    finally:
-        store.close()
-    ddl = f"CREATE TABLE {database.business} (idem_key TEXT NOT NULL, worker TEXT NOT NULL)"
-    if database.kind == "sqlite":
-        conn = sqlite3.connect(database.location)
-        try:
-            conn.execute(ddl)
-        finally:
-            conn.close()
-    else:
-        with psycopg.connect(database.location, autocommit=True) as pg:
-            pg.execute(ddl)
-    return database
+def app_database(request: pytest.FixtureRequest) -> tuple[AppDatabase, str]:
+    """The case's database, with an empty payments table, and the face the app reaches it by."""
+    kind, face = request.param
+    database = AppDatabase(**asdict(request.getfixturevalue(f"{kind}_database")))
+    database.create_business_table("idem_key TEXT NOT NULL, worker TEXT NOT NULL")
+    return database, face
 
 
-@pytest.fixture
-def sqlite_database(tmp_path: Path) -> Database:
-    """A SQLite file with a migrated records table and an empty business table."""
-    return _prepare(Database("sqlite", str(tmp_path / "app.db")))
-
-
-@pytest.fixture
-def postgres_database(postgres_url: str, pg_schema: str) -> Database:
-    """The test's own PostgreSQL schema with a records table and an empty business table."""
-    return _prepare(Database("postgres", postgres_url, pg_schema))
-
-
-def new_key() -> str:
-    return f"k-{uuid.uuid4().hex}"
+def check_executed_once(app: SyncApp | AsyncApp, key: str, results: list[tuple[bool, Any]]) -> None:
+    """Every duplicate got the one execution's result, and only it left a business row."""
+    assert len(results) == DUPLICATES
+    executed = [result for replayed, result in results if not replayed]
+    assert len(executed) == 1
+    assert all(result == executed[0] for _, result in results)
+    assert app.executions == 1
+    assert app.database.rows() == [(key, executed[0]["by"])]
 
 
 # -- sync: Session and Connection ----------------------------------------------------------
@@ -151,7 +104,7 @@ SYNC_CASES = [
 class SyncApp:
     """An app that reaches its database through SQLAlchemy and guards its work with idempo."""
 
-    database: Database
+    database: AppDatabase
     engine: Engine
     face: str
     idem: Idempotency
@@ -192,8 +145,7 @@ class SyncApp:
 @pytest.fixture(params=SYNC_CASES)
 def sync_app(request: pytest.FixtureRequest) -> Iterator[SyncApp]:
     """An app on a SQLAlchemy Session or Connection over SQLite or PostgreSQL."""
-    kind, face = request.param
-    database: Database = request.getfixturevalue(f"{kind}_database")
+    database, face = app_database(request)
     engine = create_engine(database.url(asynchronous=False))
     store = database.store()
     try:
@@ -269,22 +221,14 @@ def test_sync_concurrent_duplicates_execute_once(sync_app: SyncApp) -> None:
     def others_wait_on_the_lock() -> None:
         # PostgreSQL shows them waiting: proof that they raced this attempt, not followed it.
         if sync_app.database.kind == "postgres":
-            deadline = time.monotonic() + 10
-            while sync_app.database.lock_waiters() < DUPLICATES - 1:
-                assert time.monotonic() < deadline, "the duplicates never waited on the lock"
-                time.sleep(0.01)
+            sync_app.database.wait_for_lock_waiters(DUPLICATES - 1)
 
     threads = [threading.Thread(target=duplicate, args=(i,)) for i in range(DUPLICATES)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    assert len(results) == DUPLICATES
-    executed = [result for replayed, result in results if not replayed]
-    assert len(executed) == 1
-    assert all(result == executed[0] for _, result in results)
-    assert sync_app.executions == 1
-    assert sync_app.database.rows() == [(key, executed[0]["by"])]
+    check_executed_once(sync_app, key, results)
 
 
 # -- async: AsyncSession, AsyncConnection, psycopg AsyncConnection -------------------------
@@ -306,7 +250,7 @@ ASYNC_CASES = [
 class AsyncApp:
     """The asynchronous twin of `SyncApp`; ``psycopg`` uses psycopg's AsyncConnection."""
 
-    database: Database
+    database: AppDatabase
     engine: AsyncEngine
     face: str
     idem: AsyncIdempotency
@@ -360,8 +304,7 @@ class AsyncApp:
 @pytest.fixture(params=ASYNC_CASES)
 async def async_app(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIterator[AsyncApp]:
     """An async app on an AsyncSession, an AsyncConnection or psycopg's AsyncConnection."""
-    kind, face = request.param
-    database: Database = request.getfixturevalue(f"{kind}_database")
+    database, face = app_database(request)
     engine = create_async_engine(database.url(asynchronous=True))
     store = database.async_store()
     try:
@@ -434,13 +377,7 @@ async def test_async_concurrent_duplicates_execute_once(async_app: AsyncApp) -> 
     async def others_wait_on_the_lock() -> None:
         # PostgreSQL shows them waiting: proof that they raced this attempt, not followed it.
         if async_app.database.kind == "postgres":
-            for _ in range(1000):  # 10 s at most
-                if await anyio.to_thread.run_sync(async_app.database.lock_waiters) >= (
-                    DUPLICATES - 1
-                ):
-                    return
-                await anyio.sleep(0.01)
-            pytest.fail("the duplicates never waited on the lock")
+            await anyio.to_thread.run_sync(async_app.database.wait_for_lock_waiters, DUPLICATES - 1)
 
     async def duplicate(index: int) -> None:
         nonlocal ready
@@ -458,9 +395,4 @@ async def test_async_concurrent_duplicates_execute_once(async_app: AsyncApp) -> 
         async with anyio.create_task_group() as group:
             for index in range(DUPLICATES):
                 group.start_soon(duplicate, index)
-    assert len(results) == DUPLICATES
-    executed = [result for replayed, result in results if not replayed]
-    assert len(executed) == 1
-    assert all(result == executed[0] for _, result in results)
-    assert async_app.executions == 1
-    assert async_app.database.rows() == [(key, executed[0]["by"])]
+    check_executed_once(async_app, key, results)

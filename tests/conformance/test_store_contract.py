@@ -95,6 +95,18 @@ def scope(key: str = "k-1", *, operation: str = "charge", principal: str = "alic
     return Scope.of(key, operation=operation, principal=principal)
 
 
+async def check_fenced_out(h: Harness, token: int, body: bytes) -> None:
+    """``token`` can neither complete with ``body``, fail with it nor renew; then it releases
+    the scope (what that leaves is for the caller to check)."""
+    with pytest.raises(FencedError):
+        await h.complete(scope(), token, body)
+    with pytest.raises(FencedError):
+        await h.fail(scope(), token, body)
+    with pytest.raises(FencedError):
+        await h.renew(scope(), token)
+    await h.store.release(scope(), token)
+
+
 # -- reservation -------------------------------------------------------------------------
 
 
@@ -207,13 +219,7 @@ async def test_stale_holder_is_fenced_out(h: Harness) -> None:
     new = await h.acquire(scope(), "fp")
     assert new == old + 1
 
-    with pytest.raises(FencedError):
-        await h.complete(scope(), old, b"zombie")
-    with pytest.raises(FencedError):
-        await h.fail(scope(), old, b"zombie")
-    with pytest.raises(FencedError):
-        await h.renew(scope(), old)
-    await h.store.release(scope(), old)
+    await check_fenced_out(h, old, b"zombie")
 
     record = await h.store.get(scope())
     assert record is not None
@@ -231,13 +237,7 @@ async def test_settled_record_refuses_further_writes(h: Harness) -> None:
     token = await h.acquire(scope(), "fp")
     await h.complete(scope(), token, b"done")
 
-    with pytest.raises(FencedError):
-        await h.complete(scope(), token, b"again")
-    with pytest.raises(FencedError):
-        await h.fail(scope(), token, b"again")
-    with pytest.raises(FencedError):
-        await h.renew(scope(), token)
-    await h.store.release(scope(), token)
+    await check_fenced_out(h, token, b"again")
 
     record = await h.store.get(scope())
     assert record is not None

@@ -1,0 +1,112 @@
+"""Plain helpers for the tests that run against a real database (SQLite or PostgreSQL).
+
+A plain module, not a conftest: test_races pickles a `Database` into spawned processes, which
+import this module by name (pytest puts tests/ on sys.path, and spawn hands sys.path on).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import psycopg
+
+from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
+from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
+
+
+def new_key() -> str:
+    """An idempotency key no other test uses."""
+    return f"k-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Database:
+    """A SQLite file or a PostgreSQL schema: its records and business tables, and the ways
+    the stores, the app and the test itself reach them."""
+
+    kind: Literal["sqlite", "postgres"]
+    location: str  # the SQLite file, or the PostgreSQL URL
+    schema: str = ""
+
+    def table(self, name: str) -> str:
+        """``name`` qualified with this database's schema, if it has one."""
+        return f"{self.schema}.{name}" if self.schema else name
+
+    @property
+    def records_table(self) -> str:
+        return self.table("idempo_records")
+
+    @property
+    def business_table(self) -> str:
+        return self.table("business")
+
+    def sql(self, text: str) -> str:
+        """``text`` with ``?`` placeholders in this database's style."""
+        return text.replace("?", "%s") if self.kind == "postgres" else text
+
+    def store(self, *, busy_timeout: timedelta | None = None, pool_size: int = 4) -> Any:
+        """A store on the records table; ``busy_timeout`` is SQLite's (None: the store's
+        default), ``pool_size`` PostgreSQL's."""
+        if self.kind == "sqlite":
+            if busy_timeout is None:
+                return SQLiteStore(self.location)
+            return SQLiteStore(self.location, busy_timeout=busy_timeout)
+        return PostgresStore(self.location, table=self.records_table, max_size=pool_size)
+
+    def async_store(self, *, busy_timeout: timedelta | None = None, pool_size: int = 4) -> Any:
+        """The asynchronous twin of `store`."""
+        if self.kind == "sqlite":
+            if busy_timeout is None:
+                return AsyncSQLiteStore(self.location)
+            return AsyncSQLiteStore(self.location, busy_timeout=busy_timeout)
+        return AsyncPostgresStore(self.location, table=self.records_table, max_size=pool_size)
+
+    def connect(self, store: Any, *, autocommit: bool = False) -> Any:
+        """An app connection: sqlite3 as ``store`` sets it up (always in autocommit mode: the
+        guard begins its own transactions), or psycopg in the ``autocommit`` mode asked for."""
+        if self.kind == "sqlite":
+            return store.connect()
+        return psycopg.connect(self.location, autocommit=autocommit)
+
+    def execute(self, text: str) -> None:
+        """Run one statement on a plain driver connection of its own, committed at once."""
+        if self.kind == "sqlite":
+            conn = sqlite3.connect(self.location, isolation_level=None)
+            try:
+                conn.execute(text)
+            finally:
+                conn.close()
+        else:
+            with psycopg.connect(self.location, autocommit=True) as pg:
+                pg.execute(text)
+
+    def select(self, text: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Committed rows as a plain driver connection of their own sees them, read without
+        waiting on any lock; ``text`` takes ``?`` placeholders."""
+        if self.kind == "sqlite":
+            conn = sqlite3.connect(self.location)
+            try:
+                return [tuple(row) for row in conn.execute(text, params).fetchall()]
+            finally:
+                conn.close()
+        with psycopg.connect(self.location) as pg:
+            # No parameters: no placeholders either, so a literal ``%`` stays as it is.
+            found = pg.execute(self.sql(text), params or None).fetchall()
+            return [tuple(row) for row in found]
+
+    def migrate(self) -> None:
+        """Create the records table."""
+        store = self.store()
+        try:
+            store.migrate()
+        finally:
+            store.close()
+
+    def create_business_table(self, columns: str) -> None:
+        """Create the business table, with no unique constraint on the key: a second execution
+        shows as a second row."""
+        self.execute(f"CREATE TABLE {self.business_table} ({columns})")
