@@ -319,6 +319,9 @@ class _Guard(Generic[OnceT]):
     def __init__(self, store: Any, policy: Policy | None = None) -> None:
         self.store = store
         self.policy = policy or Policy()
+        # Checked once: a runtime Protocol check costs more than a round trip's worth of
+        # Python on every call.
+        self._binds = isinstance(store, self._capability)
 
     def once(
         self,
@@ -360,7 +363,7 @@ class _Guard(Generic[OnceT]):
     def _unit(self, conn: Any, mode: Mode) -> Any:
         if conn is None:
             return self._leased(self.store)
-        if not isinstance(self.store, self._capability):
+        if not self._binds:
             raise ConfigurationError(
                 f"{type(self.store).__name__} cannot join the app's transaction"
             )

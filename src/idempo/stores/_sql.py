@@ -272,17 +272,28 @@ class PostgresDialect(SqlDialect):
 
     @cached_property
     def reserve_sql(self) -> str:
-        # One round trip for every case. All parts see the snapshot taken when the statement
-        # started, so a duplicate that committed while we waited on its row is invisible here:
-        # then no row comes back and the caller simply asks again.
+        # One round trip for every case, and one index lookup for a replay: the insert and
+        # the takeover only run when what the first read found calls for them (their guards
+        # do not depend on the row, so PostgreSQL checks them once, before any scan). All
+        # parts see the snapshot taken when the statement started, so a duplicate that
+        # committed while we waited on its row is invisible here: then no row comes back and
+        # the caller simply asks again.
+        takeover_allowed = (
+            "EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= :now"
+            " OR (e.state = 'in_progress' AND e.lease_expires_at <= :now"
+            " AND e.fingerprint = :fingerprint)) AND "
+        )
+        insert = self.insert_sql.replace(" VALUES (", " SELECT ", 1).replace(
+            " :expires_at)", " :expires_at WHERE NOT EXISTS (SELECT 1 FROM existing)", 1
+        )
         return (
-            f"WITH inserted AS ({self.insert_sql}),"
-            f" taken AS ({self.takeover_where('NOT EXISTS (SELECT 1 FROM inserted) AND ')})"
+            f"WITH existing AS ({self.select_sql}),"
+            f" inserted AS ({insert}),"
+            f" taken AS ({self.takeover_where(takeover_allowed)})"
             f" SELECT true, {_COLUMNS} FROM inserted"
             f" UNION ALL SELECT true, {_COLUMNS} FROM taken"
-            f" UNION ALL SELECT false, {_COLUMNS} FROM {self.table}"
-            f" WHERE {_WHERE_SCOPE} AND NOT EXISTS (SELECT 1 FROM inserted)"
-            " AND NOT EXISTS (SELECT 1 FROM taken)"
+            f" UNION ALL SELECT false, {_COLUMNS} FROM existing"
+            " WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)"
         )
 
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:

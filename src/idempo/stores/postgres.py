@@ -13,7 +13,7 @@ the bare one (BEGIN + reserve, the app's write, complete + COMMIT).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any, TypeVar
@@ -77,32 +77,61 @@ def mapped_errors() -> Iterator[None]:
         raise map_error(exc) from exc
 
 
-def _begin_statements(conn: Any, lock_timeout: timedelta) -> list[tuple[str, Any]]:
-    statements: list[tuple[str, Any]] = []
-    if conn.info.transaction_status == TransactionStatus.IDLE:
-        statements.append(("BEGIN", None))
-    ms = max(1, int(lock_timeout.total_seconds() * 1000))
-    statements.append(("SELECT set_config('lock_timeout', %s, true)", (f"{ms}ms",)))
-    return statements
+Queued = tuple[str, Any]
+
+
+class _Batch:
+    """What the sync and async executors share: statements wait in a Python list and leave
+    together when a result is needed, one statement as a plain execute, several in a psycopg
+    pipeline (a pipeline costs an extra Sync, worth it only to save a round trip)."""
+
+    def __init__(self, conn: Any, lock_timeout: timedelta, on_store: Any) -> None:
+        self.conn = conn
+        self.on_store = on_store
+        self.pending: list[Queued] = []
+        self.restore_autocommit: bool | None = None
+        ms = max(1, int(lock_timeout.total_seconds() * 1000))
+        self.lock_timeout: Queued = ("SELECT set_config('lock_timeout', %s, true)", (f"{ms}ms",))
+
+    def idle(self) -> bool:
+        return bool(self.conn.info.transaction_status == TransactionStatus.IDLE)
+
+    def begin(self, op: Begin) -> bool | None:
+        """Queue what starts the transaction; the autocommit setting to switch to, if any."""
+        if op.lazy:
+            # psycopg's implicit BEGIN will travel with the app's first statement.
+            return False if self.idle() and self.conn.autocommit else None
+        switch = None
+        if self.idle():
+            # An explicit BEGIN rides in the batch with the reservation, where psycopg's
+            # implicit one would cost a round trip of its own.
+            switch = True if not self.conn.autocommit else None
+            self.pending.append(("BEGIN", None))
+        self.pending.append(self.lock_timeout)
+        return switch
+
+    def switched(self, autocommit: bool | None) -> None:
+        if autocommit is not None:
+            self.restore_autocommit = not autocommit
+
+    def take(self) -> list[Queued]:
+        pending, self.pending = self.pending, []
+        return pending
+
+    def ended(self) -> bool | None:
+        """The autocommit setting to give back to the app now its transaction is over."""
+        restore, self.restore_autocommit = self.restore_autocommit, None
+        return restore
 
 
 class _PsycopgTx:
     """Runs transaction operations on one sync psycopg connection."""
 
     def __init__(
-        self,
-        conn: psycopg.Connection[Any],
-        lock_timeout: timedelta,
-        on_store: Any = None,
+        self, conn: psycopg.Connection[Any], lock_timeout: timedelta, on_store: Any = None
     ) -> None:
         self._conn = conn
-        self._lock_timeout = lock_timeout
-        self._on_store = on_store
-        self._pipeline: ExitStack | None = None
-        self._restore: bool | None = None
-
-    def _idle(self) -> bool:
-        return self._conn.info.transaction_status == TransactionStatus.IDLE
+        self._batch = _Batch(conn, lock_timeout, on_store)
 
     def run(self, gen: TxGen[T]) -> T:
         with mapped_errors():
@@ -111,86 +140,64 @@ class _PsycopgTx:
             finally:
                 self._send()
 
-    def _queue(self, sql: str, params: Any) -> psycopg.Cursor[Any]:
-        if self._pipeline is None:
-            self._pipeline = ExitStack()
-            self._pipeline.enter_context(self._conn.pipeline())
-        return self._conn.execute(sql, params, prepare=params is not None)
+    def _send(self) -> psycopg.Cursor[Any] | None:
+        pending = self._batch.take()
+        if not pending:
+            return None
+        with mapped_errors():
+            if len(pending) == 1:
+                sql, params = pending[0]
+                return self._conn.execute(sql, params, prepare=params is not None)
+            with self._conn.pipeline():
+                cursors = [
+                    self._conn.execute(sql, params, prepare=params is not None)
+                    for sql, params in pending
+                ]
+            return cursors[-1]
 
-    def _send(self) -> None:
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            with mapped_errors():
-                pipeline.close()
-
-    def _ended(self) -> None:
-        # The app gets its connection back with the autocommit setting it had.
-        restore, self._restore = self._restore, None
+    def _end(self) -> None:
+        restore = self._batch.ended()
         if restore is not None:
             self._conn.autocommit = restore
 
     def _do(self, op: Any) -> Any:
+        batch = self._batch
         with mapped_errors():
             match op:
                 case Statement(sql, params, fetch):
-                    cursor = self._queue(_pyformat(sql), params)
-                    if fetch:
-                        self._send()
-                        return cursor.fetchall()
-                    return None
-                case Begin(lazy=True):
-                    # psycopg's implicit BEGIN will travel with the app's first statement.
-                    if self._idle() and self._conn.autocommit:
-                        self._conn.autocommit = False
-                        self._restore = True
-                    return None
+                    batch.pending.append((_pyformat(sql), params))
+                    cursor = self._send() if fetch else None
+                    return cursor.fetchall() if cursor is not None else None
                 case Begin():
-                    # An explicit BEGIN rides in the same batch as the reservation, where
-                    # psycopg's implicit one would cost a round trip of its own.
-                    if self._idle() and not self._conn.autocommit:
-                        self._conn.autocommit = True
-                        self._restore = False
-                    for sql, params in _begin_statements(self._conn, self._lock_timeout):
-                        self._queue(sql, params)
+                    switch = batch.begin(op)
+                    if switch is not None:
+                        self._conn.autocommit = switch
+                        batch.switched(switch)
                     return None
                 case Commit():
-                    self._queue("COMMIT", None)
+                    batch.pending.append(("COMMIT", None))
                     self._send()
-                    self._ended()
+                    self._end()
                     return None
                 case Rollback():
-                    self._send_quietly()
-                    if self._conn.info.transaction_status != TransactionStatus.IDLE:
+                    batch.take()  # what was never sent needs no undoing
+                    if not batch.idle():
                         self._conn.execute("ROLLBACK")
-                    self._ended()
+                    self._end()
                     return None
                 case OnStore(gen):
-                    return self._on_store(gen)
+                    return batch.on_store(gen)
         raise AssertionError(f"unknown operation {op!r}")
-
-    def _send_quietly(self) -> None:
-        # Rolling back after a failed batch: the batch's error was already raised.
-        with suppress(IdempotencyError, LockTimeoutError):
-            self._send()
 
 
 class _AsyncPsycopgTx:
     """The asynchronous twin of `_PsycopgTx`."""
 
     def __init__(
-        self,
-        conn: psycopg.AsyncConnection[Any],
-        lock_timeout: timedelta,
-        on_store: Any = None,
+        self, conn: psycopg.AsyncConnection[Any], lock_timeout: timedelta, on_store: Any = None
     ) -> None:
         self._conn = conn
-        self._lock_timeout = lock_timeout
-        self._on_store = on_store
-        self._pipeline: Any = None
-        self._restore: bool | None = None
-
-    def _idle(self) -> bool:
-        return self._conn.info.transaction_status == TransactionStatus.IDLE
+        self._batch = _Batch(conn, lock_timeout, on_store)
 
     async def run(self, gen: TxGen[T]) -> T:
         with mapped_errors():
@@ -199,58 +206,53 @@ class _AsyncPsycopgTx:
             finally:
                 await self._send()
 
-    async def _queue(self, sql: str, params: Any) -> psycopg.AsyncCursor[Any]:
-        if self._pipeline is None:
-            self._pipeline = self._conn.pipeline()
-            await self._pipeline.__aenter__()
-        return await self._conn.execute(sql, params, prepare=params is not None)
+    async def _send(self) -> psycopg.AsyncCursor[Any] | None:
+        pending = self._batch.take()
+        if not pending:
+            return None
+        with mapped_errors():
+            if len(pending) == 1:
+                sql, params = pending[0]
+                return await self._conn.execute(sql, params, prepare=params is not None)
+            async with self._conn.pipeline():
+                cursors = [
+                    await self._conn.execute(sql, params, prepare=params is not None)
+                    for sql, params in pending
+                ]
+            return cursors[-1]
 
-    async def _send(self) -> None:
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            with mapped_errors():
-                await pipeline.__aexit__(None, None, None)
-
-    async def _ended(self) -> None:
-        restore, self._restore = self._restore, None
+    async def _end(self) -> None:
+        restore = self._batch.ended()
         if restore is not None:
             await self._conn.set_autocommit(restore)
 
     async def _do(self, op: Any) -> Any:
+        batch = self._batch
         with mapped_errors():
             match op:
                 case Statement(sql, params, fetch):
-                    cursor = await self._queue(_pyformat(sql), params)
-                    if fetch:
-                        await self._send()
-                        return await cursor.fetchall()
-                    return None
-                case Begin(lazy=True):
-                    if self._idle() and self._conn.autocommit:
-                        await self._conn.set_autocommit(False)
-                        self._restore = True
-                    return None
+                    batch.pending.append((_pyformat(sql), params))
+                    cursor = await self._send() if fetch else None
+                    return await cursor.fetchall() if cursor is not None else None
                 case Begin():
-                    if self._idle() and not self._conn.autocommit:
-                        await self._conn.set_autocommit(True)
-                        self._restore = False
-                    for sql, params in _begin_statements(self._conn, self._lock_timeout):
-                        await self._queue(sql, params)
+                    switch = batch.begin(op)
+                    if switch is not None:
+                        await self._conn.set_autocommit(switch)
+                        batch.switched(switch)
                     return None
                 case Commit():
-                    await self._queue("COMMIT", None)
+                    batch.pending.append(("COMMIT", None))
                     await self._send()
-                    await self._ended()
+                    await self._end()
                     return None
                 case Rollback():
-                    with suppress(IdempotencyError, LockTimeoutError):
-                        await self._send()
-                    if self._conn.info.transaction_status != TransactionStatus.IDLE:
+                    batch.take()
+                    if not batch.idle():
                         await self._conn.execute("ROLLBACK")
-                    await self._ended()
+                    await self._end()
                     return None
                 case OnStore(gen):
-                    return await self._on_store(gen)
+                    return await batch.on_store(gen)
         raise AssertionError(f"unknown operation {op!r}")
 
 
