@@ -97,10 +97,15 @@ class _App:
         self.url = url
         self.store: Any = open_store(url)
         self.store.migrate()
+        # The payments live next to the records (same schema), so one URL is the whole state.
+        schema, _, _ = self.store.dialect.table.rpartition(".")
+        self.payments = f"{schema}.demo_payments" if schema else "demo_payments"
         self._local = threading.local()
+        self._connections: list[Any] = []
+        self._lock = threading.Lock()
         with self.connection() as conn:
             conn.execute(
-                "CREATE TABLE IF NOT EXISTS demo_payments"
+                f"CREATE TABLE IF NOT EXISTS {self.payments}"
                 " (payment_id TEXT NOT NULL, intent TEXT NOT NULL, amount INTEGER NOT NULL)"
             )
             conn.commit()
@@ -117,11 +122,18 @@ class _App:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self.connect()
+            with self._lock:
+                self._connections.append(conn)
         yield conn
+
+    def close(self) -> None:
+        for conn in self._connections:
+            conn.close()
+        self.store.close()
 
     def charges(self) -> Counter[str]:
         with self.connection() as conn:
-            rows = conn.execute("SELECT intent FROM demo_payments").fetchall()
+            rows = conn.execute(f"SELECT intent FROM {self.payments}").fetchall()
             conn.rollback()
         return Counter(intent for (intent,) in rows)
 
@@ -140,7 +152,7 @@ def _caller(
 ) -> None:
     """One client: retries its intent with the same key until it gets the answer."""
     p = app.param()
-    insert = f"INSERT INTO demo_payments (payment_id, intent, amount) VALUES ({p}, {p}, {p})"
+    insert = f"INSERT INTO {app.payments} (payment_id, intent, amount) VALUES ({p}, {p}, {p})"
     while True:
         tally.add(calls=1)
         try:
@@ -195,6 +207,21 @@ def run_storm(
         url = f"sqlite:///{Path(tempfile.mkdtemp(prefix='idempo-demo-')) / 'demo.db'}"
     app = _App(url)
     idem = Idempotency(app.store, Policy(lease=timedelta(seconds=10)))
+    try:
+        return _storm(app, idem, intents, retries, concurrency, work_seconds, on_progress)
+    finally:
+        app.close()
+
+
+def _storm(
+    app: _App,
+    idem: Idempotency,
+    intents: int,
+    retries: int,
+    concurrency: int,
+    work_seconds: float,
+    on_progress: Callable[[int, int], None] | None,
+) -> Report:
     rng = random.Random(1)
     names = [f"intent-{uuid.uuid4()}" for _ in range(intents)]
     flaky = {name for name in names if rng.random() < 0.1}
