@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,14 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from idempo import AsyncIdempotency, ConfigurationError, Idempotency, open_async_store, open_store
+from idempo import (
+    AsyncIdempotency,
+    ConfigurationError,
+    Idempotency,
+    Policy,
+    open_async_store,
+    open_store,
+)
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
@@ -129,3 +137,17 @@ def test_postgres_urls_carry_the_table(postgres_url: str, pg_schema: str) -> Non
         assert row == (1,)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"lease": timedelta(0)},
+        {"ttl": timedelta(seconds=-1)},
+        {"max_response_bytes": -1},
+    ],
+)
+def test_impossible_policies_are_refused(changes: dict[str, Any]) -> None:
+    """A policy that cannot work raises ConfigurationError when it is made, not later."""
+    with pytest.raises(ConfigurationError):
+        Policy(**changes)

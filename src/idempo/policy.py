@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from .errors import ConfigurationError
 from .serializers import JsonSerializer, Serializer
 
 __all__ = ["Policy", "utcnow"]
@@ -55,9 +56,9 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.lease <= timedelta(0) or self.ttl <= timedelta(0):
-            raise ValueError("lease and ttl must be positive")
-        if self.ttl < self.lease:
-            raise ValueError("ttl must be at least as long as the lease")
+            raise ConfigurationError("lease and ttl must be positive")
+        if self.max_response_bytes < 0:
+            raise ConfigurationError("max_response_bytes cannot be negative")
 
     def replace(self, **changes: Any) -> Policy:
         """A copy with some fields changed."""
