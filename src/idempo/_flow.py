@@ -78,6 +78,10 @@ class Codec(Protocol):
         the serializer refused it): deterministic, so a retry must not run the work again."""
         ...
 
+    def decode(self, record: Record) -> Any:
+        """What a replay hands back (or raises) for a stored record."""
+        ...
+
 
 def guarded_call(
     scope: Scope, fingerprint: str, policy: Policy, codec: Codec

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, cast
 
 from ._fingerprint import fingerprint
-from ._flow import Done, Execute, Flow, apump, guarded_call, pump
+from ._flow import Codec, Done, Execute, Flow, apump, guarded_call, pump
 from ._keys import Scope
 from ._record import Record, Status
 from .errors import ConfigurationError, IdempotencyError, ReplayedFailureError
@@ -117,13 +117,13 @@ class _Call:
         scope: Scope,
         payload: Any,
         policy: Policy,
-        serializer: Serializer | None,
+        codec: Codec,
         attempt_class: type[Attempt],
     ) -> None:
         self.unit = unit
         self.scope = scope
         self.policy = policy
-        self.codec = _FunctionCodec(serializer or policy.serializer, policy.fail_on)
+        self.codec = codec
         self.flow: Flow = guarded_call(scope, fingerprint(payload), policy, self.codec)
         self.attempt_class = attempt_class
         self.attempt: Attempt | None = None
@@ -333,6 +333,7 @@ class _Guard(Generic[OnceT]):
         conn: Any = None,
         mode: Mode = "transactional",
         serializer: Serializer | None = None,
+        codec: Codec | None = None,
     ) -> OnceT:
         """Guard a block: it runs once per scope; retries get ``attempt.result`` replayed.
 
@@ -350,6 +351,9 @@ class _Guard(Generic[OnceT]):
             mode: with ``conn``: ``"transactional"`` (reservation, writes and record commit
                 together) or ``"leased"`` (the reservation commits first, visible at once).
             serializer: overrides the policy's for this call.
+            codec: for integrations (HTTP, consumers): how the block's result becomes a stored
+                outcome and a record becomes a replay. Replaces ``serializer`` and
+                ``policy.fail_on``.
 
         Raises:
             FingerprintMismatchError: the key was used with another payload.
@@ -358,7 +362,8 @@ class _Guard(Generic[OnceT]):
         """
         scope = Scope.of(key, operation=operation, principal=principal)
         unit = self._unit(conn, mode)
-        return self._once(_Call(unit, scope, payload, self.policy, serializer, self._attempt))
+        codec = codec or _FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
+        return self._once(_Call(unit, scope, payload, self.policy, codec, self._attempt))
 
     def _unit(self, conn: Any, mode: Mode) -> Any:
         if conn is None:
