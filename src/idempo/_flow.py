@@ -113,9 +113,10 @@ def _abandon(
     scope: Scope, token: int, status: Status | None, body: bytes, policy: Policy
 ) -> Generator[Op, Any, None]:
     """Throw the work's writes away, then record the failure or release the key."""
-    yield Discard()
-    # The error being raised matters more than this one; an unreleased lease still expires.
+    # The error being raised matters more than a store's: a reservation left behind still
+    # ends with its lease (or with its transaction, when the connection broke).
     with suppress(FencedError, StoreError):
+        yield Discard()
         yield _outcome(scope, token, status, body, policy)
 
 
