@@ -14,7 +14,7 @@ answers every retry with the first result.
 from __future__ import annotations
 
 from ._fingerprint import fingerprint
-from ._keys import Scope, validate_key
+from ._keys import Scope, derive_key, step_key, validate_key
 from ._record import Record, Status
 from .errors import (
     ConfigurationError,
@@ -63,8 +63,10 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "TypedSerializer",
+    "derive_key",
     "fingerprint",
     "open_async_store",
     "open_store",
+    "step_key",
     "validate_key",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from .errors import InvalidKeyError
@@ -24,6 +25,67 @@ def validate_key(key: object) -> str:
     if not (key.isascii() and key.isprintable()) or " " in key:
         raise InvalidKeyError("the idempotency key must be printable ASCII without spaces")
     return key
+
+
+# Fixed for ever: changing either namespace would give every intent in flight a new downstream
+# key during a deploy, and the PSP would charge twice. They are uuid5(NAMESPACE_URL, ...) of
+# "https://idempo.dev/ns/derive_key" and ".../step_key"; the literals are what counts.
+DERIVE_NAMESPACE = uuid.UUID("01ea8efc-2f92-5b98-9291-8509c8ea3fb4")
+STEP_NAMESPACE = uuid.UUID("71195008-5794-52e8-91b0-75ffb5a392d8")
+
+
+def _pair(first: str, second: str) -> str:
+    # Length-prefixed, so ("a:b", "c") and ("a", "b:c") never encode alike.
+    return f"{len(first)}:{first}{second}"
+
+
+def derive_key(parent_key: str, label: str) -> str:
+    """The downstream key for the call named ``label`` made on behalf of ``parent_key``.
+
+    Deterministic (a UUIDv5 over both), so every retry of the parent sends the same key to the
+    payment provider, the mailer or the DRM vendor, and a re-execution of the parent is
+    harmless one level down. Distinct parents or labels give distinct keys.
+
+    Args:
+        parent_key: the key of the intent being served; must be a valid key.
+        label: names the downstream call (``"psp.charge"``, ``"mail.receipt"``); any
+            non-empty string.
+
+    >>> derive_key("order-42", "psp.charge")
+    '34980a23-113f-5584-a264-b86070b79a74'
+    >>> derive_key("order-42", "psp.charge") == derive_key("order-42", "psp.charge")
+    True
+
+    .. versionadded:: 0.1
+    """
+    validate_key(parent_key)
+    if not isinstance(label, str) or not label:
+        raise InvalidKeyError("a derived key's label must be a non-empty string")
+    return str(uuid.uuid5(DERIVE_NAMESPACE, _pair(parent_key, label)))
+
+
+def step_key(saga_id: str, step: str) -> str:
+    """The key of one step of an orchestrated saga: the readable ``saga_id:step``.
+
+    ``saga_id`` must be a valid key; ``step`` printable ASCII without spaces or ``:`` (so the
+    last ``:`` always separates the step). Where ``saga_id:step`` would pass the 255-character
+    limit, the key is a UUIDv5 over both instead: still deterministic and distinct, no longer
+    readable.
+
+    >>> step_key("saga-7", "reserve-stock")
+    'saga-7:reserve-stock'
+
+    .. versionadded:: 0.1
+    """
+    validate_key(saga_id)
+    validate_key(step)
+    if ":" in step:
+        raise InvalidKeyError(f"a saga step name cannot contain ':' (got {step!r})")
+    readable = f"{saga_id}:{step}"
+    if len(readable) <= MAX_KEY_LENGTH:
+        return readable
+    # A UUID has no ':', so it never equals a readable step key.
+    return str(uuid.uuid5(STEP_NAMESPACE, _pair(saga_id, step)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -20,12 +22,17 @@ console = Console()
 StoreUrl = Annotated[str, typer.Argument(help="store URL, e.g. sqlite:///app.db or postgresql://…")]
 
 
-def _store(url: str) -> Any:
+@contextmanager
+def _store(url: str) -> Iterator[Any]:
     try:
-        return open_store(url)
+        store = open_store(url)
     except IdempotencyError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
+    try:
+        yield store
+    finally:
+        store.close()  # a pool left to the garbage collector complains from its threads
 
 
 @app.command()
@@ -80,12 +87,12 @@ def demo(
 @app.command()
 def migrate(url: StoreUrl) -> None:
     """Create the records table (SQL stores)."""
-    store = _store(url)
-    if not hasattr(store, "migrate"):
-        console.print(f"{type(store).__name__} keeps no schema; nothing to do")
-        return
-    store.migrate()
-    console.print(f"[green]migrated[/green] {store.dialect.table}")
+    with _store(url) as store:
+        if not hasattr(store, "migrate"):
+            console.print(f"{type(store).__name__} keeps no schema; nothing to do")
+            return
+        store.migrate()
+        console.print(f"[green]migrated[/green] {store.dialect.table}")
 
 
 @app.command()
@@ -97,13 +104,13 @@ def purge(
     batch: Annotated[int, typer.Option(min=1, help="records per delete")] = 1000,
 ) -> None:
     """Delete expired records in bounded batches."""
-    store = _store(url)
     cutoff = (before or datetime.now(UTC)).astimezone(UTC)
     total = 0
-    while (deleted := store.purge(before=cutoff, limit=batch)) > 0:
-        total += deleted
-        if deleted < batch:
-            break
+    with _store(url) as store:
+        while (deleted := store.purge(before=cutoff, limit=batch)) > 0:
+            total += deleted
+            if deleted < batch:
+                break
     console.print(f"purged {total} record(s) expired before {cutoff.isoformat()}")
 
 
@@ -115,8 +122,8 @@ def inspect(
     principal: Annotated[str, typer.Option(help="the principal (default: anonymous)")] = "",
 ) -> None:
     """Show one record."""
-    store = _store(url)
-    record = store.get(Scope.of(key, operation=operation, principal=principal))
+    with _store(url) as store:
+        record = store.get(Scope.of(key, operation=operation, principal=principal))
     if record is None:
         console.print("no record")
         raise typer.Exit(1)
@@ -132,7 +139,8 @@ def inspect(
 @app.command()
 def stats(url: StoreUrl) -> None:
     """Count records per state."""
-    counts = _store(url).stats()
+    with _store(url) as store:
+        counts = store.stats()
     table = Table()
     table.add_column("state")
     table.add_column("records", justify="right")

@@ -1,0 +1,493 @@
+"""HTTP pieces every framework adapter shares: no I/O and no framework imports.
+
+The ASGI middleware (`idempo.asgi`) uses them now; WSGI and Django middlewares will reuse them.
+They turn a request into a key, a principal and a fingerprint, a response into a stored
+record and back, and idempo's refusals into RFC 9457 problem responses::
+
+    key = parse_key(header_values(headers, b"idempotency-key"))   # None when absent
+    payload = canonical_request(HttpRequest(method, path, query, headers, body))
+    async with idem.once(key, operation=op, payload=payload, codec=HttpCodec()) as attempt:
+        ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._fingerprint import canonical_bytes
+from ._keys import validate_key
+from ._record import Record, Status
+from .errors import (
+    FingerprintMismatchError,
+    IdempotencyError,
+    InvalidKeyError,
+    InvalidPayloadError,
+    RequestInProgressError,
+    StoreError,
+)
+
+__all__ = [
+    "DEFAULT_FINGERPRINT_FIELDS",
+    "KEY_HEADER",
+    "PROBLEM_TYPE_BASE",
+    "REPLAYED_HEADER",
+    "Classifier",
+    "FingerprintField",
+    "Header",
+    "HttpCodec",
+    "HttpRequest",
+    "HttpResponse",
+    "MissingKeyError",
+    "RequestTooLargeError",
+    "UnkeptResponse",
+    "canonical_request",
+    "classify_status",
+    "decode_response",
+    "default_principal",
+    "encode_response",
+    "header_values",
+    "parse_key",
+    "problem",
+    "problem_for",
+    "request_fingerprint",
+]
+
+Header = tuple[bytes, bytes]
+"""One header as it travels in ASGI: ``(name, value)``, both bytes, the name lowercased."""
+
+KEY_HEADER = b"idempotency-key"
+REPLAYED_HEADER = b"idempotent-replayed"
+
+# Problem types are URNs: stable identifiers that promise no web page (RFC 9457 §3.1.1
+# allows non-resolvable type URIs). docs/http.md lists them.
+PROBLEM_TYPE_BASE = "urn:idempo:problem:"
+
+# RFC 9110 §7.6.1 hop-by-hop fields, plus the obsolete ones proxies still send. A replay
+# travels over a new connection, so the first connection's fields mean nothing there.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# A session cookie set for the first caller must not be handed to whoever replays, nor kept
+# in the store at all.
+_PRIVATE = frozenset({b"set-cookie"})
+
+_STORED_FORMAT_VERSION = 1
+
+
+class MissingKeyError(InvalidKeyError):
+    """The endpoint requires an ``Idempotency-Key`` header and the request has none."""
+
+    status_code = 400
+
+
+class RequestTooLargeError(IdempotencyError):
+    """The request body is larger than the middleware may buffer to fingerprint it."""
+
+    status_code = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is over the {limit}-byte limit for guarded requests")
+        self.limit = limit
+
+
+# --- the key ------------------------------------------------------------------------------
+
+
+def header_values(headers: Iterable[Header], name: bytes) -> list[bytes]:
+    """Every value of header ``name`` (lowercase), in order."""
+    return [value for key, value in headers if key.lower() == name]
+
+
+def parse_key(values: Sequence[bytes]) -> str | None:
+    """The idempotency key in the ``Idempotency-Key`` header values, or None when absent.
+
+    A value is a bare token or an RFC 8941 sf-string; ``abc`` and ``"abc"`` name the same
+    key. A value that starts with ``"`` but is not a valid sf-string is malformed; so is a
+    header sent twice (which value would be the key?). Parameters on an sf-string are
+    ignored, as RFC 8941 asks of unknown parameters.
+
+    Raises:
+        InvalidKeyError: the header is malformed or the key is not 1-255 printable ASCII.
+
+    >>> parse_key([b'"order-42"']), parse_key([b"order-42"]), parse_key([])
+    ('order-42', 'order-42', None)
+    """
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidKeyError("the Idempotency-Key header appears more than once")
+    # Optional whitespace around a field value is not part of it (RFC 9110 §5.5).
+    raw = values[0].strip(b" \t")
+    if raw.startswith(b'"'):
+        return validate_key(_sf_string(raw))
+    return validate_key(raw.decode("latin-1"))
+
+
+def _sf_string(raw: bytes) -> str:
+    # Imported here so that idempo itself needs http-sf only where HTTP is used.
+    try:
+        import http_sf  # noqa: PLC0415 - optional dependency (idempo[asgi])
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        from .errors import ConfigurationError  # noqa: PLC0415
+
+        raise ConfigurationError(
+            "quoted Idempotency-Key values need http-sf: pip install 'idempo[asgi]'"
+        ) from exc
+    try:
+        item = http_sf.parse(raw, tltype="item")
+    except (http_sf.StructuredFieldError, ValueError) as exc:
+        raise InvalidKeyError(f"the Idempotency-Key is not a valid sf-string: {exc}") from exc
+    value = item[0] if isinstance(item, tuple) else item
+    if not isinstance(value, str):
+        raise InvalidKeyError("a quoted Idempotency-Key must be an sf-string")
+    return value
+
+
+def default_principal(authorization: Sequence[bytes]) -> str:
+    """Who asked, when the app names no principal: hex SHA-256 of the Authorization header.
+
+    ``""`` (anonymous) when the header is absent. The raw credential is never stored.
+
+    >>> default_principal([]), default_principal([b"Bearer t"])[:12]
+    ('', '63a25a26464c')
+    """
+    if not authorization:
+        return ""
+    return hashlib.sha256(b"\n".join(authorization)).hexdigest()
+
+
+# --- the fingerprint ----------------------------------------------------------------------
+
+FingerprintField = Literal["method", "path", "query", "body"]
+DEFAULT_FINGERPRINT_FIELDS: tuple[FingerprintField, ...] = ("method", "path", "query", "body")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """What a fingerprint can be made of, whatever the framework."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: Sequence[Header]
+    body: bytes
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
+
+
+def _canonical_body(body: bytes, content_type: bytes) -> bytes:
+    """RFC 8785 bytes for a JSON body, so ``{"a": 1}`` and ``{ "a":1 }`` are one request;
+    other bodies (and JSON that does not parse, which the app will refuse itself) as sent."""
+    if not body or not _is_json(content_type):
+        return body
+    try:
+        return canonical_bytes(json.loads(body))
+    except (ValueError, InvalidPayloadError):
+        return body
+
+
+def canonical_request(
+    request: HttpRequest,
+    *,
+    fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
+    headers: Collection[str] = (),
+) -> bytes:
+    """The canonical bytes of a request: what its fingerprint is the SHA-256 of.
+
+    An RFC 8785 JSON document naming each part, so no two requests' parts can run together.
+    The body counts as the SHA-256 of its canonical form; ``headers`` names the request
+    headers that count too (case-insensitive; all their values, in order).
+
+    >>> json_type = [(b"content-type", b"application/json")]
+    >>> a = HttpRequest("POST", "/pay", b"", json_type, b'{"a":1}')
+    >>> b = HttpRequest("POST", "/pay", b"", json_type, b'{ "a": 1 }')
+    >>> canonical_request(a) == canonical_request(b)
+    True
+    """
+    parts: dict[str, Any] = {"v": 1}
+    if "method" in fields:
+        parts["method"] = request.method.upper()
+    if "path" in fields:
+        parts["path"] = request.path
+    if "query" in fields:
+        parts["query"] = request.query.decode("latin-1")
+    if "body" in fields:
+        content_type = b", ".join(header_values(request.headers, b"content-type"))
+        body = _canonical_body(request.body, content_type)
+        parts["body"] = hashlib.sha256(body).hexdigest()
+    if headers:
+        parts["headers"] = {
+            name.lower(): [
+                value.decode("latin-1")
+                for value in header_values(request.headers, name.lower().encode("latin-1"))
+            ]
+            for name in headers
+        }
+    return canonical_bytes(parts)
+
+
+def request_fingerprint(
+    request: HttpRequest,
+    *,
+    fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
+    headers: Collection[str] = (),
+) -> str:
+    """Hex SHA-256 of `canonical_request`: the fingerprint a record keeps for this request."""
+    return hashlib.sha256(canonical_request(request, fields=fields, headers=headers)).hexdigest()
+
+
+# --- stored responses ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    """A whole response: status, headers as sent, body bytes."""
+
+    status: int
+    headers: tuple[Header, ...] = ()
+    body: bytes = b""
+
+    def shareable(self) -> HttpResponse:
+        """This response without hop-by-hop fields and ``Set-Cookie``: what may be stored and
+        replayed to a later request."""
+        named = {
+            token.strip().lower()
+            for name, value in self.headers
+            if name.lower() == b"connection"
+            for token in value.split(b",")
+        }
+        dropped = _HOP_BY_HOP | _PRIVATE | named
+        kept = tuple((name, value) for name, value in self.headers if name.lower() not in dropped)
+        return HttpResponse(self.status, kept, self.body)
+
+    def replay(self, *, status_200: bool = False) -> HttpResponse:
+        """The answer to a duplicate: this response, shareable, plus ``Idempotent-Replayed``.
+
+        Args:
+            status_200: answer 200 instead of a stored 2xx status (the body stays the same).
+        """
+        shared = self.shareable()
+        headers = tuple(item for item in shared.headers if item[0].lower() != REPLAYED_HEADER)
+        status = 200 if status_200 and 200 <= shared.status < 300 else shared.status
+        return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), shared.body)
+
+
+@dataclass(frozen=True, slots=True)
+class UnkeptResponse:
+    """A response that was sent to the client but was too large to store."""
+
+    status: int
+    size: int
+    limit: int
+
+
+def encode_response(response: HttpResponse) -> bytes:
+    """The stored form: one line of JSON (format version, status, headers), then the body.
+
+    Header bytes travel as Latin-1 text, which maps every byte to one character and back,
+    so a replay is byte-identical; the body follows the newline untouched.
+    """
+    head = {
+        "v": _STORED_FORMAT_VERSION,
+        "status": response.status,
+        "headers": [
+            [name.decode("latin-1"), value.decode("latin-1")] for name, value in response.headers
+        ],
+    }
+    # ensure_ascii keeps the line free of raw newlines whatever the headers hold.
+    return (
+        json.dumps(head, separators=(",", ":"), ensure_ascii=True).encode() + b"\n" + response.body
+    )
+
+
+def decode_response(data: bytes) -> HttpResponse:
+    """The response `encode_response` stored."""
+    head_line, newline, body = data.partition(b"\n")
+    try:
+        head = json.loads(head_line)
+        if not newline or head.get("v") != _STORED_FORMAT_VERSION:
+            raise ValueError(f"stored response format {head.get('v')!r}")
+        headers = tuple(
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in head["headers"]
+        )
+        return HttpResponse(int(head["status"]), headers, body)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise IdempotencyError(f"the stored response cannot be read: {exc}") from exc
+
+
+Classifier = Callable[[int], Status | None]
+"""Decides what a response status means: COMPLETED or FAILED (stored and replayed), or None
+(transient: the key is released and a retry executes again)."""
+
+_TRANSIENT_4XX = frozenset({408, 409, 425, 429})
+
+
+def classify_status(status: int) -> Status | None:
+    """SPEC §2 rule 7: 2xx/3xx completed; 4xx failed (replayed) except 408, 409, 425 and
+    429; 5xx (and anything else) transient.
+
+    >>> classify_status(201), classify_status(404), classify_status(429), classify_status(503)
+    (<Status.COMPLETED: 'completed'>, <Status.FAILED: 'failed'>, None, None)
+    """
+    if 200 <= status < 400:
+        return Status.COMPLETED
+    if 400 <= status < 500 and status not in _TRANSIENT_4XX:
+        return Status.FAILED
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCodec:
+    """How the guard stores an HTTP response and replays it (the `Codec` for HTTP).
+
+    The block's result is an `HttpResponse` (stored per ``classify``), an `UnkeptResponse`
+    (recorded as a FAILED 500 problem if its status would have been stored, so a retry does
+    not execute again), or None (the app sent no whole response: the key is released).
+    Exceptions release the key.
+    """
+
+    classify: Classifier = field(default=classify_status)
+
+    def encode_result(self, value: Any) -> tuple[Status | None, bytes]:
+        if isinstance(value, HttpResponse):
+            status = self.classify(value.status)
+            return status, (encode_response(value.shareable()) if status is not None else b"")
+        if isinstance(value, UnkeptResponse) and self.classify(value.status) is not None:
+            detail = (
+                f"The request was processed and answered {value.status}, but its response "
+                f"({value.size} bytes or more) was over the {value.limit}-byte limit for "
+                "storage, so it cannot be replayed. Do not retry this key."
+            )
+            return Status.FAILED, encode_response(_not_stored(detail))
+        return None, b""
+
+    def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
+        return None, b""
+
+    def encode_unstorable(self, exc: Exception) -> bytes:
+        detail = (
+            f"The request was processed, but its response could not be stored ({exc}), "
+            "so it cannot be replayed. Do not retry this key."
+        )
+        return encode_response(_not_stored(detail))
+
+    def decode(self, record: Record) -> HttpResponse:
+        if record.response is None:
+            raise IdempotencyError("the record holds no response to replay")
+        return decode_response(record.response)
+
+
+def _not_stored(detail: str) -> HttpResponse:
+    return problem(500, "response-not-stored", "Response not stored", detail)
+
+
+# --- problems (RFC 9457) ------------------------------------------------------------------
+
+
+def problem(
+    status: int,
+    kind: str,
+    title: str,
+    detail: str,
+    *,
+    headers: Sequence[Header] = (),
+) -> HttpResponse:
+    """An ``application/problem+json`` response whose ``type`` is ``urn:idempo:problem:kind``.
+
+    >>> problem(400, "missing-key", "Missing idempotency key", "Send one.").body[:38]
+    b'{"type":"urn:idempo:problem:missing-ke'
+    """
+    body = json.dumps(
+        {"type": PROBLEM_TYPE_BASE + kind, "title": title, "status": status, "detail": detail},
+        separators=(",", ":"),
+    ).encode()
+    return HttpResponse(
+        status,
+        (
+            (b"content-type", b"application/problem+json"),
+            (b"content-length", str(len(body)).encode()),
+            *headers,
+        ),
+        body,
+    )
+
+
+def _retry_after(seconds: float) -> Header:
+    # Retry-After is a whole number of seconds (RFC 9110 §10.2.3); 0 would invite a storm.
+    return (b"retry-after", str(max(1, math.ceil(seconds))).encode())
+
+
+def problem_for(
+    exc: IdempotencyError, *, max_retry_after: int = 5, store_retry_after: int = 5
+) -> HttpResponse:
+    """The problem response for one of idempo's refusals.
+
+    Args:
+        exc: what the guard (or the adapter) raised before any work ran.
+        max_retry_after: the most a 409's ``Retry-After`` says, though the lease may end
+            later: the first request is usually done long before its lease ends, and asking
+            again costs one index lookup.
+        store_retry_after: ``Retry-After`` for a 503 when the store is unreachable.
+    """
+    match exc:
+        case MissingKeyError():
+            return problem(
+                400,
+                "missing-key",
+                "Missing idempotency key",
+                "This endpoint requires an Idempotency-Key header: one unique value per "
+                "intent, reused on every retry.",
+            )
+        case InvalidKeyError():
+            return problem(400, "invalid-key", "Malformed idempotency key", str(exc))
+        case InvalidPayloadError():
+            return problem(400, "invalid-request", "Request cannot be fingerprinted", str(exc))
+        case RequestTooLargeError():
+            return problem(413, "request-too-large", "Request body too large", str(exc))
+        case FingerprintMismatchError():
+            return problem(
+                422,
+                "fingerprint-mismatch",
+                "Idempotency key reused with a different request",
+                "This Idempotency-Key was already used with a different request (method, "
+                "path, query or body). Use a new key for a new intent.",
+            )
+        case RequestInProgressError(retry_after=retry_after):
+            return problem(
+                409,
+                "request-in-progress",
+                "Request in progress",
+                "A request with this Idempotency-Key is still being processed. Retry later "
+                "to receive its response.",
+                headers=[_retry_after(min(retry_after, max_retry_after))],
+            )
+        case StoreError():
+            return problem(
+                503,
+                "store-unavailable",
+                "Idempotency store unavailable",
+                "The request was not processed: the idempotency store cannot be reached. "
+                "Retry with the same key later.",
+                headers=[_retry_after(store_retry_after)],
+            )
+    return problem(500, "internal", "Idempotency error", str(exc))

@@ -1,0 +1,592 @@
+"""Pure ASGI middleware: SPEC §4's HTTP contract for Starlette, FastAPI and any ASGI app.
+
+    from fastapi import FastAPI
+    from idempo import open_async_store
+    from idempo.asgi import IdempotencyMiddleware
+
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=open_async_store("sqlite:///idem.db"))
+
+Every guarded request (POST and PATCH by default) goes through `AsyncIdempotency.once` with
+an HTTP codec, so the middleware is one more surface of the same guard as the function API,
+not a second implementation of the contract. docs/http.md has the full table of answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection, MutableMapping
+from datetime import timedelta
+from typing import Any
+
+from ._http import (
+    DEFAULT_FINGERPRINT_FIELDS,
+    KEY_HEADER,
+    Classifier,
+    FingerprintField,
+    HttpCodec,
+    HttpRequest,
+    HttpResponse,
+    MissingKeyError,
+    RequestTooLargeError,
+    UnkeptResponse,
+    canonical_request,
+    classify_status,
+    default_principal,
+    header_values,
+    parse_key,
+    problem_for,
+)
+from .errors import ConfigurationError, IdempotencyError, ResponseTooLargeError, StoreError
+from .guard import AsyncAttempt, AsyncIdempotency
+from .policy import Policy
+from .stores import AsyncStore, open_async_store
+
+__all__ = ["IdempotencyMiddleware", "route_template"]
+
+ASGIScope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[ASGIScope, Receive, Send], Awaitable[None]]
+
+logger = logging.getLogger("idempo.http")
+
+_MIB = 1024 * 1024
+# Room for the status and headers in a stored record, on top of the body limit.
+_HEAD_ROOM = 64 * 1024
+# Extensions that hand the server a body outside http.response.body messages (a file path,
+# a zero-copy fd) or add trailers: a guarded app must not see them, or its response could
+# not be captured and replayed byte for byte.
+_UNCAPTURABLE = frozenset(
+    {"http.response.pathsend", "http.response.zerocopysend", "http.response.trailers"}
+)
+
+
+class IdempotencyMiddleware:
+    """Runs each guarded request once per ``(principal, operation, Idempotency-Key)`` and
+    answers every duplicate with the first response, byte for byte.
+
+    Args:
+        app: the ASGI app to guard.
+        store: an `AsyncStore` or a store URL (``open_async_store``); migrate SQL stores
+            first. Give either this or ``idempotency``.
+        idempotency: an `AsyncIdempotency` to share with the rest of the app (its policy
+            applies as is).
+        policy: with ``store``: leases, retention and clock; defaults to `Policy()`.
+        lease: with ``store``: overrides the policy's lease (seconds or a timedelta). The
+            middleware renews it every third of a lease while the handler runs.
+        methods: the guarded methods; others pass through untouched.
+        require_key: answer 400 to a guarded request without a key; if False such a
+            request passes through without idempotency.
+        principal: who asked, from the ASGI scope (e.g. the authenticated user set by an
+            outer auth middleware); None or a None result means the default, a SHA-256 of
+            the Authorization header.
+        operation: what was asked, from the scope; None or a None result means the default,
+            ``"METHOD route-template"`` (Starlette/FastAPI routes) or ``"METHOD path"``.
+        fingerprint_fields: which of ``method``, ``path``, ``query``, ``body`` count in the
+            request fingerprint.
+        fingerprint_headers: request headers that count too (e.g. ``("content-type",)``).
+        max_request_bytes: a larger body gets 413 before anything is stored.
+        max_response_bytes: a larger response is streamed to the client as it comes and
+            recorded as a FAILED ``response-not-stored`` problem: retries get that problem,
+            never a second execution (docs/http.md).
+        replay_status_200: replay a stored 2xx response with status 200 (the body is the same).
+        fail_open: when the store is unreachable, run the request without idempotency
+            instead of answering 503.
+        classify: which response statuses are stored (COMPLETED/FAILED) and which release
+            the key (None); defaults to SPEC §2 rule 7.
+        max_retry_after: the most a 409's ``Retry-After`` says, in seconds.
+        store_retry_after: ``Retry-After`` of a 503, in seconds.
+
+    >>> from idempo.stores.memory import AsyncMemoryStore
+    >>> async def app(scope, receive, send): ...
+    >>> guarded = IdempotencyMiddleware(app, store=AsyncMemoryStore(), lease=10)
+    >>> guarded.idempotency.policy.lease
+    datetime.timedelta(seconds=10)
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: AsyncStore | str | None = None,
+        idempotency: AsyncIdempotency | None = None,
+        policy: Policy | None = None,
+        lease: float | timedelta | None = None,
+        methods: Collection[str] = ("POST", "PATCH"),
+        require_key: bool = True,
+        principal: Callable[[ASGIScope], str | None] | None = None,
+        operation: Callable[[ASGIScope], str | None] | None = None,
+        fingerprint_fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
+        fingerprint_headers: Collection[str] = (),
+        max_request_bytes: int = _MIB,
+        max_response_bytes: int = _MIB,
+        replay_status_200: bool = False,
+        fail_open: bool = False,
+        classify: Classifier = classify_status,
+        max_retry_after: int = 5,
+        store_retry_after: int = 5,
+    ) -> None:
+        if max_request_bytes < 0 or max_response_bytes < 0:
+            raise ConfigurationError("max_request_bytes and max_response_bytes cannot be negative")
+        if max_retry_after < 1 or store_retry_after < 1:
+            raise ConfigurationError("Retry-After values are whole seconds, at least 1")
+        unknown = set(fingerprint_fields) - set(DEFAULT_FINGERPRINT_FIELDS)
+        if unknown:
+            raise ConfigurationError(f"unknown fingerprint fields: {sorted(unknown)}")
+        self.app = app
+        self.idempotency = _guard(store, idempotency, policy, lease, max_response_bytes)
+        self.methods = frozenset(method.upper() for method in methods)
+        self.require_key = require_key
+        self.principal = principal
+        self.operation = operation
+        self.fingerprint_fields = tuple(fingerprint_fields)
+        self.fingerprint_headers = tuple(name.lower() for name in fingerprint_headers)
+        self.max_request_bytes = max_request_bytes
+        self.max_response_bytes = max_response_bytes
+        self.replay_status_200 = replay_status_200
+        self.fail_open = fail_open
+        self.codec = HttpCodec(classify)
+        self.max_retry_after = max_retry_after
+        self.store_retry_after = store_retry_after
+        self.renew_every = self.idempotency.policy.lease.total_seconds() / 3
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.methods:
+            await self.app(scope, receive, send)
+            return
+        # Everything about one request lives in its own object: the middleware stays
+        # stateless and shareable between concurrent requests.
+        await _Exchange(self, scope, receive, send).run()
+
+    def problem(self, exc: IdempotencyError) -> HttpResponse:
+        """The problem response for a refusal, with this middleware's Retry-After settings."""
+        return problem_for(
+            exc, max_retry_after=self.max_retry_after, store_retry_after=self.store_retry_after
+        )
+
+
+def _guard(
+    store: AsyncStore | str | None,
+    idempotency: AsyncIdempotency | None,
+    policy: Policy | None,
+    lease: float | timedelta | None,
+    max_response_bytes: int,
+) -> AsyncIdempotency:
+    if (store is None) == (idempotency is None):
+        raise ConfigurationError("give IdempotencyMiddleware either store= or idempotency=")
+    if idempotency is not None:
+        if policy is not None or lease is not None:
+            raise ConfigurationError("policy= and lease= go with store=; idempotency= has its own")
+        return idempotency
+    if isinstance(store, str):
+        store = open_async_store(store)
+    if not isinstance(store, AsyncStore):
+        raise ConfigurationError(
+            f"IdempotencyMiddleware needs an AsyncStore (open_async_store), not "
+            f"{type(store).__name__}"
+        )
+    policy = policy or Policy()
+    if lease is not None:
+        policy = policy.replace(
+            lease=lease if isinstance(lease, timedelta) else timedelta(seconds=lease)
+        )
+    # The policy limits the stored bytes (status and headers included); the middleware's
+    # limit is on the body, so the policy must leave room for a body at that limit.
+    room = max_response_bytes + _HEAD_ROOM
+    if policy.max_response_bytes < room:
+        policy = policy.replace(max_response_bytes=room)
+    return AsyncIdempotency(store, policy)
+
+
+class _Renewal:
+    """Extends an attempt's lease every ``every`` seconds until stopped.
+
+    A handler slower than its lease would otherwise be taken over by a duplicate and run
+    twice. Renewal stops with the handler, so a crashed process's key still frees when its
+    last lease ends.
+    """
+
+    def __init__(self, attempt: AsyncAttempt, every: float) -> None:
+        self._attempt = attempt
+        self._every = every
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                async with asyncio.timeout(self._every):
+                    await self._stop.wait()
+            except TimeoutError:
+                try:
+                    await self._attempt.renew()
+                except Exception as exc:  # noqa: BLE001 - a lost lease or a store fault ends renewal, never the request
+                    logger.warning(
+                        "idempo: stopped renewing the lease of key %r: %s",
+                        self._attempt.scope.key,
+                        exc,
+                    )
+                    return
+
+    async def stop(self) -> None:
+        """Stop renewing; waits for a renewal in flight rather than cancelling it mid-query."""
+        self._stop.set()
+        task, self._task = self._task, None
+        if task is not None:
+            await task
+
+
+class _Exchange:
+    """One guarded request: its key, body, attempt and captured response."""
+
+    def __init__(
+        self, middleware: IdempotencyMiddleware, scope: ASGIScope, receive: Receive, send: Send
+    ) -> None:
+        self.mw = middleware
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.headers: list[Any] = list(scope.get("headers") or [])
+        # Set once the work runs:
+        self.once: Any = None
+        self.attempt: AsyncAttempt | None = None
+        self.renewal: _Renewal | None = None
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.streaming = False
+        self.settled = False
+
+    async def run(self) -> None:
+        mw = self.mw
+        try:
+            key = parse_key(header_values(self.headers, KEY_HEADER))
+        except IdempotencyError as exc:
+            await self._answer(mw.problem(exc))
+            return
+        if key is None and not mw.require_key:
+            await mw.app(self.scope, self.receive, self.send)
+            return
+        try:
+            if key is None:
+                raise MissingKeyError("the Idempotency-Key header is missing")
+            body = await self._read_body()
+        except IdempotencyError as exc:
+            await self._answer(mw.problem(exc))
+            return
+        if body is None:
+            return  # the client went away before sending its whole body
+        attempt = await self._reserve(key, body)
+        if attempt is None:
+            return
+        if attempt.replayed:
+            await self.once.__aexit__(None, None, None)
+            await self._answer(attempt.result.replay(status_200=mw.replay_status_200))
+            return
+        await self._execute(attempt, body)
+
+    async def _reserve(self, key: str, body: bytes) -> AsyncAttempt | None:
+        """The attempt to run or replay, or None once the request has been answered."""
+        mw = self.mw
+        try:
+            self.once = mw.idempotency.once(
+                key,
+                operation=self._operation(),
+                payload=self._payload(body),
+                principal=self._principal(),
+                codec=mw.codec,
+            )
+            attempt: AsyncAttempt = await self.once.__aenter__()
+        except StoreError as exc:
+            if mw.fail_open:
+                logger.warning("idempo: store unavailable, running the request unguarded: %s", exc)
+            else:
+                await self._answer(mw.problem(exc))
+                return None
+        except IdempotencyError as exc:
+            await self._answer(mw.problem(exc))
+            return None
+        else:
+            return attempt
+        # Failing open: outside the except block, so the app's own errors are not chained
+        # to the store's.
+        await mw.app(self.scope, self._receive_body(body), self.send)
+        return None
+
+    async def _execute(self, attempt: AsyncAttempt, body: bytes) -> None:
+        self.attempt = attempt
+        self.renewal = _Renewal(attempt, self.mw.renew_every)
+        self.renewal.start()
+        try:
+            await self.mw.app(self._app_scope(), self._receive_body(body), self._capture)
+        except BaseException as exc:
+            if not self.settled:
+                # Before a whole response: the guard releases the key (transient failure).
+                self.settled = True
+                await self.renewal.stop()
+                await self.once.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        finally:
+            await self.renewal.stop()
+        if not self.settled:
+            # The app returned without a whole response: there is nothing to store. Pass on
+            # what it did send, so the server reacts as it would without idempo.
+            await self._settle(None)
+            if self.start is not None and not self.streaming:
+                await self.send(self.start)
+                body_so_far = b"".join(self.chunks)
+                await self.send(
+                    {"type": "http.response.body", "body": body_so_far, "more_body": True}
+                )
+
+    async def _capture(self, message: Message) -> None:
+        """The app's ``send``: holds the response until it is whole and stored, so a client
+        that has its answer can count on a retry replaying it."""
+        kind = message["type"]
+        if kind == "http.response.start" and self.start is None and not self.settled:
+            self.start = message
+            return
+        if kind != "http.response.body" or self.start is None or self.settled:
+            await self.send(message)
+            return
+        chunk = bytes(message.get("body", b""))
+        more = bool(message.get("more_body", False))
+        self.size += len(chunk)
+        if self.streaming:
+            if not more:
+                await self._settle(self._unkept())
+            await self.send(message)
+            return
+        self.chunks.append(chunk)
+        if self.size > self.mw.max_response_bytes:
+            # Holding a response this big would hold the client hostage to the store's
+            # limit: stream it, and record that it could not be kept.
+            self.streaming = True
+            if not more:
+                await self._settle(self._unkept())
+            held, self.chunks = b"".join(self.chunks), []
+            await self.send(self.start)
+            await self.send({"type": "http.response.body", "body": held, "more_body": more})
+            return
+        if more:
+            return
+        response = HttpResponse(
+            int(self.start["status"]),
+            tuple((bytes(name), bytes(value)) for name, value in self.start.get("headers", [])),
+            b"".join(self.chunks),
+        )
+        await self._settle(response)
+        await self.send(self.start)
+        await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+    def _unkept(self) -> UnkeptResponse:
+        assert self.start is not None
+        return UnkeptResponse(int(self.start["status"]), self.size, self.mw.max_response_bytes)
+
+    async def _settle(self, result: HttpResponse | UnkeptResponse | None) -> None:
+        """Store the outcome (or release the key), before the client sees the end of it."""
+        assert self.attempt is not None
+        assert self.renewal is not None
+        self.settled = True
+        await self.renewal.stop()
+        self.attempt.result = result
+        try:
+            await self.once.__aexit__(None, None, None)
+        except ResponseTooLargeError as exc:
+            # The policy's own limit (a shared guard's) was stricter than the middleware's:
+            # the guard recorded a response-not-stored failure; the client still gets it all.
+            logger.warning(
+                "idempo: the response for key %r is too large to store: %s",
+                self.attempt.scope.key,
+                exc,
+            )
+        except IdempotencyError as exc:
+            # The work ran and the client is owed its answer; only the record failed (a
+            # store fault, a lost lease). A retry may execute again once the lease ends.
+            logger.warning(
+                "idempo: the response for key %r is sent but could not be recorded: %s",
+                self.attempt.scope.key,
+                exc,
+            )
+
+    async def _read_body(self) -> bytes | None:
+        limit = self.mw.max_request_bytes
+        declared = header_values(self.headers, b"content-length")
+        if declared and declared[0].strip().isdigit() and int(declared[0]) > limit:
+            raise RequestTooLargeError(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = bytes(message.get("body", b""))
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLargeError(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _receive_body(self, body: bytes) -> Receive:
+        """A ``receive`` that hands the app the body already read, then the client's own."""
+        delivered = False
+
+        async def receive() -> Message:
+            nonlocal delivered
+            if delivered:
+                return await self.receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return receive
+
+    def _app_scope(self) -> ASGIScope:
+        scope = dict(self.scope)
+        extensions = scope.get("extensions")
+        if extensions:
+            scope["extensions"] = {
+                name: value for name, value in extensions.items() if name not in _UNCAPTURABLE
+            }
+        return scope
+
+    def _operation(self) -> str:
+        chosen = self.mw.operation(self.scope) if self.mw.operation else None
+        if chosen is not None:
+            return chosen
+        method = self.scope["method"]
+        template = route_template(self.scope.get("app", self.mw.app), self.scope)
+        return f"{method} {template if template is not None else self.scope['path']}"
+
+    def _principal(self) -> str:
+        chosen = self.mw.principal(self.scope) if self.mw.principal else None
+        if chosen is not None:
+            return chosen
+        return default_principal(header_values(self.headers, b"authorization"))
+
+    def _payload(self, body: bytes) -> bytes:
+        request = HttpRequest(
+            method=self.scope["method"],
+            path=self.scope["path"],
+            query=bytes(self.scope.get("query_string", b"")),
+            headers=self.headers,
+            body=body,
+        )
+        return canonical_request(
+            request, fields=self.mw.fingerprint_fields, headers=self.mw.fingerprint_headers
+        )
+
+    async def _answer(self, response: HttpResponse) -> None:
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": list(response.headers),
+            }
+        )
+        await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+def route_template(app: Any, scope: ASGIScope) -> str | None:
+    """The route template a request matches (``/payments/{id}``), or None.
+
+    Works on anything shaped like a Starlette router (Starlette, FastAPI): ``routes`` whose
+    items answer ``matches(scope)`` and carry a ``path``; mounts and FastAPI's included
+    routers are searched too. Found by duck typing, so idempo imports no framework. None
+    (use the raw path) is always safe: more operations never replay another endpoint's answer.
+    """
+    routes = getattr(app, "routes", None)
+    if routes is None:
+        routes = getattr(getattr(app, "router", None), "routes", None)
+    if not routes:
+        return None
+    return _match(routes, dict(scope), "")
+
+
+# Starlette's Match enum, by name: FULL (path and method), PARTIAL (path only: the app will
+# answer 405, under the same template), NONE.
+_FULL, _PARTIAL = "FULL", "PARTIAL"
+
+
+def _match(routes: Any, scope: dict[str, Any], prefix: str) -> str | None:
+    # Starlette's Router takes the first FULL match, else the first PARTIAL one.
+    partial: str | None = None
+    for route in routes:
+        found = _try(route, scope, prefix)
+        if found is None:
+            continue
+        kind, template = found
+        if kind == _FULL:
+            return template
+        if partial is None:
+            partial = template
+    return partial
+
+
+def _try(route: Any, scope: dict[str, Any], prefix: str) -> tuple[str, str | None] | None:
+    """How one route matches: (FULL or PARTIAL, its template), or None."""
+    contexts = getattr(route, "effective_route_contexts", None)
+    if callable(contexts):
+        # FastAPI's included router: its routes as included (prefix applied), not as written.
+        return _try_contexts(contexts(), scope, prefix)
+    matches = getattr(route, "matches", None)
+    if not callable(matches):
+        return None
+    try:
+        match, child = matches(scope)
+    except Exception:  # noqa: BLE001 - a route we cannot ask is one we skip
+        return None
+    kind = getattr(match, "name", "")
+    if kind not in (_FULL, _PARTIAL):
+        return None
+    path = prefix + str(getattr(route, "path", ""))
+    if not hasattr(route, "routes"):
+        return kind, path
+    # A Mount: its own routes decide. A mounted app we cannot see into has no template.
+    inner = getattr(route, "routes", None)
+    if not inner:
+        return kind, None
+    return kind, _match(inner, {**scope, **dict(child or {})}, path)
+
+
+def _try_contexts(
+    contexts: Any, scope: dict[str, Any], prefix: str
+) -> tuple[str, str | None] | None:
+    partial: tuple[str, str | None] | None = None
+    for context in contexts:
+        rewritten = getattr(context, "starlette_route", None)
+        if rewritten is not None:
+            # A plain route or mount, rebuilt with the inclusion's prefix.
+            found = _try(rewritten, scope, prefix)
+        else:
+            found = _try_path_regex(context, scope, prefix)
+        if found is not None and found[0] == _FULL:
+            return found
+        if found is not None and partial is None:
+            partial = found
+    return partial
+
+
+def _try_path_regex(route: Any, scope: dict[str, Any], prefix: str) -> tuple[str, str] | None:
+    regex = getattr(route, "path_regex", None)
+    template = getattr(route, "path_format", None)
+    if regex is None or not isinstance(template, str) or not regex.match(_route_path(scope)):
+        return None
+    methods = getattr(route, "methods", None)
+    kind = _FULL if not methods or scope.get("method") in methods else _PARTIAL
+    return kind, prefix + template
+
+
+def _route_path(scope: dict[str, Any]) -> str:
+    """The path below the scope's root path, as Starlette's routers see it."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", ""))
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :]
+    return path
