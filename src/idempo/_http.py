@@ -27,7 +27,9 @@ from .errors import (
     IdempotencyError,
     InvalidKeyError,
     InvalidPayloadError,
+    MissingKeyError,
     RequestInProgressError,
+    RequestTooLargeError,
     StoreError,
 )
 
@@ -87,22 +89,6 @@ _HOP_BY_HOP = frozenset(
 _PRIVATE = frozenset({b"set-cookie"})
 
 _STORED_FORMAT_VERSION = 1
-
-
-class MissingKeyError(InvalidKeyError):
-    """The endpoint requires an ``Idempotency-Key`` header and the request has none."""
-
-    status_code = 400
-
-
-class RequestTooLargeError(IdempotencyError):
-    """The request body is larger than the middleware may buffer to fingerprint it."""
-
-    status_code = 413
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the request body is over the {limit}-byte limit for guarded requests")
-        self.limit = limit
 
 
 # --- the key ------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ from ._http import (
     HttpCodec,
     HttpRequest,
     HttpResponse,
-    MissingKeyError,
-    RequestTooLargeError,
     UnkeptResponse,
     canonical_request,
     classify_status,
@@ -38,7 +36,14 @@ from ._http import (
     parse_key,
     problem_for,
 )
-from .errors import ConfigurationError, IdempotencyError, ResponseTooLargeError, StoreError
+from .errors import (
+    ConfigurationError,
+    IdempotencyError,
+    MissingKeyError,
+    RequestTooLargeError,
+    ResponseTooLargeError,
+    StoreError,
+)
 from .guard import AsyncAttempt, AsyncIdempotency
 from .policy import Policy
 from .stores import AsyncStore, open_async_store

@@ -5,6 +5,8 @@
     ├── StoreError                         the store failed; the driver's error is __cause__
     │   └── StoreUnavailableError          cannot reach the store (connection, timeout): retry later
     ├── InvalidKeyError (400)              key empty, too long or not printable ASCII
+    │   └── MissingKeyError (400)          a key is required and the request has none
+    ├── RequestTooLargeError (413)         a request body over the limit for guarded requests
     ├── InvalidPayloadError (400)          the payload cannot be fingerprinted
     ├── ResponseTooLargeError              the result is bigger than the store may keep
     ├── FencedError                        this attempt lost its lease; its writes were refused
@@ -26,8 +28,10 @@ __all__ = [
     "IdempotencyError",
     "InvalidKeyError",
     "InvalidPayloadError",
+    "MissingKeyError",
     "ReplayedFailureError",
     "RequestInProgressError",
+    "RequestTooLargeError",
     "ResponseTooLargeError",
     "StoreError",
     "StoreUnavailableError",
@@ -58,6 +62,22 @@ class InvalidKeyError(IdempotencyError):
     """The idempotency key is empty, longer than 255 characters or not printable ASCII."""
 
     status_code = 400
+
+
+class MissingKeyError(InvalidKeyError):
+    """The endpoint requires an ``Idempotency-Key`` header and the request has none."""
+
+    status_code = 400
+
+
+class RequestTooLargeError(IdempotencyError):
+    """The request body is larger than the middleware may buffer to fingerprint it."""
+
+    status_code = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is over the {limit}-byte limit for guarded requests")
+        self.limit = limit
 
 
 class InvalidPayloadError(IdempotencyError):
