@@ -1,6 +1,7 @@
 """HTTP pieces every framework adapter shares: no I/O and no framework imports.
 
-The ASGI middleware (`idempo.asgi`) uses them now; WSGI and Django middlewares will reuse them.
+The ASGI (`idempo.asgi`), WSGI (`idempo.wsgi`) and Django (`idempo.contrib.django`)
+middlewares are built on them, so the contract has one implementation.
 They turn a request into a key, a principal and a fingerprint, a response into a stored
 record and back, and idempo's refusals into RFC 9457 problem responses::
 
@@ -17,12 +18,14 @@ import json
 import math
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Literal
 
 from ._fingerprint import canonical_bytes
 from ._keys import validate_key
 from ._record import Record, Status
 from .errors import (
+    ConfigurationError,
     FingerprintMismatchError,
     IdempotencyError,
     InvalidKeyError,
@@ -32,8 +35,10 @@ from .errors import (
     RequestTooLargeError,
     StoreError,
 )
+from .policy import Policy
 
 __all__ = [
+    "DEFAULT_BODY_LIMIT",
     "DEFAULT_FINGERPRINT_FIELDS",
     "KEY_HEADER",
     "PROBLEM_TYPE_BASE",
@@ -48,11 +53,13 @@ __all__ = [
     "RequestTooLargeError",
     "UnkeptResponse",
     "canonical_request",
+    "check_options",
     "classify_status",
     "decode_response",
     "default_principal",
     "encode_response",
     "header_values",
+    "http_policy",
     "parse_key",
     "problem",
     "problem_for",
@@ -89,6 +96,59 @@ _HOP_BY_HOP = frozenset(
 _PRIVATE = frozenset({b"set-cookie"})
 
 _STORED_FORMAT_VERSION = 1
+
+DEFAULT_BODY_LIMIT = 1024 * 1024
+# Room for the status and headers in a stored record, on top of the body limit.
+_HEAD_ROOM = 64 * 1024
+
+
+# --- middleware options -------------------------------------------------------------------
+
+
+def check_options(
+    *,
+    max_request_bytes: int,
+    max_response_bytes: int,
+    max_retry_after: int,
+    store_retry_after: int,
+    fingerprint_fields: Collection[str],
+) -> None:
+    """Refuse impossible middleware options when the middleware is made, not per request.
+
+    Raises:
+        ConfigurationError: a negative size limit, a Retry-After under 1 s, or an unknown
+            fingerprint field.
+    """
+    if max_request_bytes < 0 or max_response_bytes < 0:
+        raise ConfigurationError("max_request_bytes and max_response_bytes cannot be negative")
+    if max_retry_after < 1 or store_retry_after < 1:
+        raise ConfigurationError("Retry-After values are whole seconds, at least 1")
+    unknown = set(fingerprint_fields) - set(DEFAULT_FINGERPRINT_FIELDS)
+    if unknown:
+        raise ConfigurationError(f"unknown fingerprint fields: {sorted(unknown)}")
+
+
+def http_policy(
+    policy: Policy | None, lease: float | timedelta | None, max_response_bytes: int
+) -> Policy:
+    """The policy a middleware's own guard runs with (``store=``, not a shared guard).
+
+    ``lease`` overrides the policy's. The policy limits the stored bytes (status and headers
+    included) while the middleware's limit is on the body, so the policy is raised to leave
+    room for a body at that limit.
+
+    >>> http_policy(None, 10, 1024).lease
+    datetime.timedelta(seconds=10)
+    """
+    policy = policy or Policy()
+    if lease is not None:
+        policy = policy.replace(
+            lease=lease if isinstance(lease, timedelta) else timedelta(seconds=lease)
+        )
+    room = max_response_bytes + _HEAD_ROOM
+    if policy.max_response_bytes < room:
+        policy = policy.replace(max_response_bytes=room)
+    return policy
 
 
 # --- the key ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._http import (
+    DEFAULT_BODY_LIMIT,
     DEFAULT_FINGERPRINT_FIELDS,
     KEY_HEADER,
     Classifier,
@@ -30,9 +31,11 @@ from ._http import (
     HttpResponse,
     UnkeptResponse,
     canonical_request,
+    check_options,
     classify_status,
     default_principal,
     header_values,
+    http_policy,
     parse_key,
     problem_for,
 )
@@ -58,9 +61,7 @@ ASGIApp = Callable[[ASGIScope, Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger("idempo.http")
 
-_MIB = 1024 * 1024
-# Room for the status and headers in a stored record, on top of the body limit.
-_HEAD_ROOM = 64 * 1024
+_MIB = DEFAULT_BODY_LIMIT
 # Extensions that hand the server a body outside http.response.body messages (a file path,
 # a zero-copy fd) or add trailers: a guarded app must not see them, or its response could
 # not be captured and replayed byte for byte.
@@ -134,13 +135,13 @@ class IdempotencyMiddleware:
         max_retry_after: int = 5,
         store_retry_after: int = 5,
     ) -> None:
-        if max_request_bytes < 0 or max_response_bytes < 0:
-            raise ConfigurationError("max_request_bytes and max_response_bytes cannot be negative")
-        if max_retry_after < 1 or store_retry_after < 1:
-            raise ConfigurationError("Retry-After values are whole seconds, at least 1")
-        unknown = set(fingerprint_fields) - set(DEFAULT_FINGERPRINT_FIELDS)
-        if unknown:
-            raise ConfigurationError(f"unknown fingerprint fields: {sorted(unknown)}")
+        check_options(
+            max_request_bytes=max_request_bytes,
+            max_response_bytes=max_response_bytes,
+            max_retry_after=max_retry_after,
+            store_retry_after=store_retry_after,
+            fingerprint_fields=fingerprint_fields,
+        )
         self.app = app
         self.idempotency = _guard(store, idempotency, policy, lease, max_response_bytes)
         self.methods = frozenset(method.upper() for method in methods)
@@ -193,17 +194,7 @@ def _guard(
             f"IdempotencyMiddleware needs an AsyncStore (open_async_store), not "
             f"{type(store).__name__}"
         )
-    policy = policy or Policy()
-    if lease is not None:
-        policy = policy.replace(
-            lease=lease if isinstance(lease, timedelta) else timedelta(seconds=lease)
-        )
-    # The policy limits the stored bytes (status and headers included); the middleware's
-    # limit is on the body, so the policy must leave room for a body at that limit.
-    room = max_response_bytes + _HEAD_ROOM
-    if policy.max_response_bytes < room:
-        policy = policy.replace(max_response_bytes=room)
-    return AsyncIdempotency(store, policy)
+    return AsyncIdempotency(store, http_policy(policy, lease, max_response_bytes))
 
 
 class _Renewal:

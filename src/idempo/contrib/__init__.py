@@ -1,0 +1,1 @@
+"""Framework integrations that import their framework (install the matching extra)."""
