@@ -295,3 +295,30 @@ def test_any_character_outside_printable_ascii_is_refused(
     """One character outside 0x21-0x7E anywhere in a key makes it invalid."""
     with pytest.raises(InvalidKeyError):
         validate_key(prefix + bad + suffix)
+
+
+# -- the fast path agrees with the reference canonicaliser ---------------------------------
+
+float_free_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-SAFE_INT, max_value=SAFE_INT)
+    | st.text(alphabet=st.characters(codec="utf-8"), max_size=12),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.text(alphabet=st.characters(codec="utf-8"), max_size=6), children, max_size=4
+        )
+    ),
+    max_leaves=20,
+)
+
+
+@bounded
+@given(float_free_json)
+def test_fast_canonical_form_is_byte_identical_to_rfc8785(value: Any) -> None:
+    """JSON without floats, encoded by the C encoder, is exactly what RFC 8785 writes: control
+    characters, astral keys and key order included."""
+    import rfc8785
+
+    assert canonical_bytes(value) == rfc8785.dumps(value)

@@ -260,9 +260,11 @@ def canonical_request(
 ) -> bytes:
     """The canonical bytes of a request: what its fingerprint is the SHA-256 of.
 
-    An RFC 8785 JSON document naming each part, so no two requests' parts can run together.
-    The body counts as the SHA-256 of its canonical form; ``headers`` names the request
-    headers that count too (case-insensitive; all their values, in order).
+    A JSON document naming each part (sorted keys, ASCII escapes: one spelling per request),
+    so no two requests' parts can run together. Only the body needs RFC 8785, which the
+    document holds as the SHA-256 of the body's canonical form; the envelope is plain strings
+    and goes through the C encoder. ``headers`` names the request headers that count too
+    (case-insensitive; all their values, in order).
 
     >>> json_type = [(b"content-type", b"application/json")]
     >>> a = HttpRequest("POST", "/pay", b"", json_type, b'{"a":1}')
@@ -289,7 +291,7 @@ def canonical_request(
             ]
             for name in headers
         }
-    return canonical_bytes(parts)
+    return json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
 
 
 def request_fingerprint(
