@@ -202,37 +202,40 @@ class _Renewal:
 
     A handler slower than its lease would otherwise be taken over by a duplicate and run
     twice. Renewal stops with the handler, so a crashed process's key still frees when its
-    last lease ends.
+    last lease ends. Most handlers finish long before the first renewal is due, so a timer
+    waits for it, and a task is only made when one is.
     """
 
     def __init__(self, attempt: AsyncAttempt, every: float) -> None:
         self._attempt = attempt
         self._every = every
-        self._stop = asyncio.Event()
+        self._stopped = False
+        self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._timer = asyncio.get_running_loop().call_later(self._every, self._due)
 
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                async with asyncio.timeout(self._every):
-                    await self._stop.wait()
-            except TimeoutError:
-                try:
-                    await self._attempt.renew()
-                except Exception as exc:  # noqa: BLE001 - a lost lease or a store fault ends renewal, never the request
-                    logger.warning(
-                        "idempo: stopped renewing the lease of key %r: %s",
-                        self._attempt.scope.key,
-                        exc,
-                    )
-                    return
+    def _due(self) -> None:
+        if not self._stopped:
+            self._task = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        try:
+            await self._attempt.renew()
+        except Exception as exc:  # noqa: BLE001 - a lost lease or a store fault ends renewal, never the request
+            logger.warning(
+                "idempo: stopped renewing the lease of key %r: %s", self._attempt.scope.key, exc
+            )
+            return
+        if not self._stopped:
+            self.start()
 
     async def stop(self) -> None:
         """Stop renewing; waits for a renewal in flight rather than cancelling it mid-query."""
-        self._stop.set()
+        self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
         task, self._task = self._task, None
         if task is not None:
             await task
