@@ -14,6 +14,7 @@ answers every retry with the first result.
 from __future__ import annotations
 
 from ._fingerprint import fingerprint
+from ._flow import Codec
 from ._keys import Scope, derive_key, step_key, validate_key
 from ._record import Record, Status
 from .errors import (
@@ -44,6 +45,7 @@ __all__ = [
     "AsyncIdempotency",
     "AsyncStore",
     "Attempt",
+    "Codec",
     "ConfigurationError",
     "ConflictError",
     "FencedError",
