@@ -6,30 +6,42 @@ import os
 import sys
 
 import psycopg
+import redis
 
 POSTGRES_URL = os.environ.get(
     "IDEMPO_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
+REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+START = {
+    "PostgreSQL": ("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"),
+    "Redis": (
+        'redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" '
+        "--appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log"
+    ),
+}
 
 
 def main() -> int:
-    missing = []
+    missing: dict[str, str] = {}
     try:
         with psycopg.connect(POSTGRES_URL, connect_timeout=5) as conn:
             conn.execute("SELECT 1")
     except psycopg.Error as exc:
-        missing.append(f"PostgreSQL at {POSTGRES_URL}: {exc}".strip())
+        missing["PostgreSQL"] = f"PostgreSQL at {POSTGRES_URL}: {exc}".strip()
+    try:
+        with redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5, socket_timeout=5) as r:
+            r.ping()
+    except redis.RedisError as exc:
+        missing["Redis"] = f"Redis at {REDIS_URL}: {exc}".strip()
     if missing:
         print("make test needs these services, which did not answer:", file=sys.stderr)
-        for line in missing:
+        for line in missing.values():
             print(f"  - {line}", file=sys.stderr)
-        print(
-            "Start PostgreSQL with: pg_ctlcluster --skip-systemctl-redirect "
-            "$(ls /etc/postgresql) main start",
-            file=sys.stderr,
-        )
+        for name in missing:
+            print(f"Start {name} with: {START[name]}", file=sys.stderr)
         return 1
-    print("services: PostgreSQL answers")
+    print("services: PostgreSQL and Redis answer")
     return 0
 
 

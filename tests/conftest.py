@@ -1,7 +1,9 @@
-"""Shared fixtures: real services, a fresh PostgreSQL schema per test, every store.
+"""Shared fixtures: real services, a fresh PostgreSQL schema and Redis key prefix per test,
+every store.
 
-PostgreSQL comes from IDEMPO_TEST_POSTGRES_URL (default: the machine's server). Locally a
-missing server skips its tests; with IDEMPO_TEST_REQUIRE_ALL=1 (``make test``, CI) it fails.
+PostgreSQL comes from IDEMPO_TEST_POSTGRES_URL and Redis from IDEMPO_TEST_REDIS_URL (default:
+the machine's servers). Locally a missing server skips its tests; with
+IDEMPO_TEST_REQUIRE_ALL=1 (``make test``, CI) it fails.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ from typing import Any
 
 import psycopg
 import pytest
+import redis
 
 from helpers import Database
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
+from idempo.stores.redis import AsyncRedisStore, RedisStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idempo.testing import FakeClock
 
 POSTGRES_URL = os.environ.get(
     "IDEMPO_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
+REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 REQUIRE_ALL = os.environ.get("IDEMPO_TEST_REQUIRE_ALL") == "1"
 
 
@@ -47,6 +52,58 @@ def postgres_url() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return POSTGRES_URL
+
+
+def _unavailable(message: str) -> None:
+    if REQUIRE_ALL:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The Redis server's URL, after checking it answers (fail in CI, skip locally)."""
+    try:
+        with redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3) as client:
+            client.ping()
+    except redis.RedisError as exc:
+        _unavailable(f"Redis at {REDIS_URL} is unreachable: {exc}")
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix no other test uses; only its keys are deleted afterwards."""
+    prefix = f"idempo-test-{secrets.token_hex(6)}"
+    try:
+        yield prefix
+    finally:
+        with redis.Redis.from_url(redis_url) as client:
+            keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+            for start in range(0, len(keys), 500):
+                client.delete(*keys[start : start + 500])
+
+
+@pytest.fixture
+def redis_store(redis_url: str, redis_prefix: str) -> Iterator[RedisStore]:
+    """A RedisStore whose keys live under the test's own prefix."""
+    store = RedisStore(redis_url, prefix=redis_prefix)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+async def async_redis_store(
+    anyio_backend: str, redis_url: str, redis_prefix: str
+) -> AsyncIterator[AsyncRedisStore]:
+    """An AsyncRedisStore whose keys live under the test's own prefix."""
+    store = AsyncRedisStore(redis_url, prefix=redis_prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
 
 
 @pytest.fixture
@@ -88,6 +145,7 @@ STORE_KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("sqlite", id="sqlite"),
     pytest.param("pg", marks=pytest.mark.postgres, id="postgres"),  # the pg_store fixture
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
 ]
 
 

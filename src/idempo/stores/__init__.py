@@ -3,8 +3,10 @@
     open_store("memory://")
     open_store("sqlite:///relative/path.db")      # or sqlite:////absolute/path.db
     open_store("postgresql://app@db:5432/app")    # needs idempo[postgres]
+    open_store("redis://127.0.0.1:6379/0")        # or rediss://; needs idempo[redis]
 
-A ``table`` query parameter (``...?table=my_records``) names the records table.
+A ``table`` query parameter (``...?table=my_records``) names the records table; for Redis a
+``prefix`` query parameter (``redis://host/0?prefix=payments``) names the key prefix.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ _SCHEMES: dict[str, tuple[str, str, str | None]] = {
     ),
 }
 _SCHEMES["postgres"] = _SCHEMES["postgresql"]
+_SCHEMES["redis"] = (
+    "idempo.stores.redis:RedisStore",
+    "idempo.stores.redis:AsyncRedisStore",
+    "redis",
+)
+_SCHEMES["rediss"] = _SCHEMES["redis"]
 
 
 def _load(path: str, extra: str | None) -> Any:
@@ -69,6 +77,11 @@ def _parse(url: str, which: int) -> tuple[Any, list[Any], dict[str, Any]]:
         if not path:
             raise ConfigurationError("a sqlite URL needs a file path: sqlite:///app.db")
         return cls, [path], options
+    if scheme in ("redis", "rediss"):
+        if "prefix" in query:
+            options["prefix"] = query.pop("prefix")
+        rest = urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
+        return cls, [rest], options
     rest = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode(query), parts.fragment))
     return cls, [rest], options
 

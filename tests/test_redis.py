@@ -1,0 +1,353 @@
+"""The Redis store beyond the shared contract: races, key layout, URLs and failing closed.
+
+The contract suite (tests/conformance) already runs against Redis, sync and async; here the
+Redis store faces many threads, tasks and spawned processes at once, a server killed mid-use,
+and its own key naming.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import subprocess
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import redis
+
+from idempo import AsyncIdempotency, FencedError, Idempotency, Scope, StoreUnavailableError
+from idempo._record import Acquired
+from idempo.errors import ConfigurationError
+from idempo.stores import open_async_store, open_store
+from idempo.stores.redis import AsyncRedisStore, RedisStore
+from test_races import (
+    BARRIER_TIMEOUT,
+    KEYS,
+    POLICY,
+    PROCESSES,
+    TASKS,
+    THREADS,
+    AsyncCall,
+    Call,
+    Outcome,
+    attempt,
+    attempt_async,
+    check_exactly_once,
+    make_keys,
+    race_tasks,
+    race_threads,
+)
+
+pytestmark = pytest.mark.redis
+
+
+class Effects:
+    """Side effects recorded in Redis itself (a list per key), visible across processes."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.prefix = prefix
+
+    def key(self, key: str) -> str:
+        return f"{self.prefix}:effects:{key}"
+
+    def effect(self, client: redis.Redis) -> Any:
+        def effect(key: str, nonce: str) -> None:
+            client.rpush(self.key(key), nonce)
+
+        return effect
+
+    def collect(self, keys: list[str]) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = defaultdict(list)
+        with redis.Redis.from_url(self.url) as client:
+            for key in keys:
+                nonces = client.lrange(self.key(key), 0, -1)
+                if nonces:
+                    found[key] = [n.decode() for n in nonces]
+        return found
+
+
+# -- races ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_threads_redis_store_executes_once_per_key(redis_url: str, redis_prefix: str) -> None:
+    """32 threads released together at each of 200 keys on one RedisStore execute each key
+    exactly once."""
+    store = RedisStore(redis_url, prefix=redis_prefix)
+    effects = Effects(redis_url, redis_prefix)
+    idem = Idempotency(store, POLICY)
+    effect = effects.effect(store.client)
+
+    @contextmanager
+    def caller(worker: str) -> Iterator[Call]:
+        yield lambda key: attempt(idem, key, worker, effect)
+
+    keys = make_keys("redis")
+    try:
+        outcomes = race_threads(THREADS, keys, caller)
+    finally:
+        store.close()
+    tally = check_exactly_once(outcomes, keys, THREADS, effects.collect(keys))
+    assert tally.executed == KEYS
+
+
+def _redis_process_main(
+    url: str, prefix: str, index: int, keys: list[str], barrier: Any, results: Any
+) -> None:
+    """A spawned process: its own RedisStore, one guarded call per key at the barrier."""
+    outcomes: list[Outcome] = []
+    problem = None
+    try:
+        store = RedisStore(url, prefix=prefix)
+        try:
+            idem = Idempotency(store, POLICY)
+            effect = Effects(url, prefix).effect(store.client)
+            for key in keys:
+                barrier.wait(timeout=BARRIER_TIMEOUT)
+                outcomes.append(attempt(idem, key, f"process-{index}", effect))
+        finally:
+            store.close()
+    except BaseException as exc:
+        barrier.abort()
+        problem = repr(exc)
+    results.put((index, outcomes, problem))
+
+
+@pytest.mark.slow
+def test_processes_redis_store_execute_once_per_key(redis_url: str, redis_prefix: str) -> None:
+    """4 spawned processes, each with its own RedisStore, released together at each of 200
+    keys execute each key exactly once."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(PROCESSES)
+    results = context.Queue()
+    keys = make_keys("redis-proc")
+    processes = [
+        context.Process(
+            target=_redis_process_main,
+            args=(redis_url, redis_prefix, index, keys, barrier, results),
+        )
+        for index in range(PROCESSES)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: list[Outcome] = []
+    problems = []
+    try:
+        for _ in processes:
+            _, got, problem = results.get(timeout=150)
+            outcomes.extend(got)
+            if problem:
+                problems.append(problem)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert not problems, problems
+    assert all(process.exitcode == 0 for process in processes)
+    effects = Effects(redis_url, redis_prefix).collect(keys)
+    check_exactly_once(outcomes, keys, PROCESSES, effects)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_tasks_async_redis_store_executes_once_per_key(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """32 tasks released together at each of 200 keys on one AsyncRedisStore execute each key
+    exactly once."""
+    store = AsyncRedisStore(redis_url, prefix=redis_prefix)
+    idem = AsyncIdempotency(store, POLICY)
+    effects = Effects(redis_url, redis_prefix)
+
+    async def effect(key: str, nonce: str) -> None:
+        await store.client.rpush(effects.key(key), nonce)
+
+    def call_for(worker: str) -> AsyncCall:
+        return lambda key: attempt_async(idem, key, worker, effect)
+
+    keys = make_keys("aredis")
+    try:
+        outcomes = await race_tasks([call_for(f"task-{i}") for i in range(TASKS)], keys)
+    finally:
+        await store.aclose()
+    check_exactly_once(outcomes, keys, TASKS, effects.collect(keys))
+
+
+# -- keys, URLs, clients -------------------------------------------------------------------
+
+
+def test_key_names_hold_no_user_strings(redis_store: RedisStore, redis_prefix: str) -> None:
+    """A record's key is the prefix and a hash-tagged digest; the scope lives in the hash."""
+    now = datetime.now(UTC)
+    scope = Scope.of("order*42", operation="POST /pay{x}", principal="tenant:1")
+    redis_store.reserve(scope, "fp", now=now, lease=timedelta(seconds=5), ttl=timedelta(hours=1))
+
+    keys = [k.decode() for k in redis_store.client.scan_iter(match=f"{redis_prefix}:*")]
+
+    assert len(keys) == 1
+    tail = keys[0].removeprefix(f"{redis_prefix}:")
+    assert tail.startswith("{")
+    assert tail.endswith("}")
+    assert len(tail) == 66
+    assert all(c in "0123456789abcdef" for c in tail[1:-1])
+    fields = redis_store.client.hgetall(keys[0])
+    assert (fields[b"p"], fields[b"o"], fields[b"k"]) == (b"tenant:1", b"POST /pay{x}", b"order*42")
+    assert 0 < redis_store.client.pttl(keys[0]) <= (5 + 3600 + 60) * 1000
+
+
+def test_prefixes_are_separate_stores(redis_url: str, redis_prefix: str) -> None:
+    """Two prefixes on one database neither see nor purge nor count each other's records."""
+    now = datetime.now(UTC)
+    scope = Scope.of("k", operation="op")
+    first = RedisStore(redis_url, prefix=redis_prefix)
+    second = RedisStore(redis_url, prefix=f"{redis_prefix}:nested")
+    try:
+        first.reserve(scope, "fp", now=now, lease=timedelta(seconds=1), ttl=timedelta(seconds=1))
+        assert second.get(scope) is None
+        assert second.stats() == {}
+        assert second.purge(before=now + timedelta(days=1)) == 0
+        assert first.stats() == {"in_progress": 1}
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.anyio
+async def test_urls_open_redis_stores(redis_url: str, redis_prefix: str) -> None:
+    """redis:// URLs open both faces, with the prefix from the query string."""
+    sync_store = open_store(f"{redis_url}?prefix={redis_prefix}")
+    async_store = open_async_store(f"{redis_url}?prefix={redis_prefix}")
+    try:
+        assert isinstance(sync_store, RedisStore)
+        assert isinstance(async_store, AsyncRedisStore)
+        assert sync_store.client.ping()
+        assert await async_store.client.ping()
+        assert sync_store._keys.prefix == async_store._keys.prefix == redis_prefix
+    finally:
+        sync_store.close()
+        await async_store.aclose()
+
+
+def test_app_owned_clients_are_left_open(redis_url: str, redis_prefix: str) -> None:
+    """A store on the app's client does not close it, and a decoding client is refused."""
+    client = redis.Redis.from_url(redis_url)
+    store = RedisStore(client=client, prefix=redis_prefix)
+    store.close()
+    assert client.ping()
+    client.close()
+    with pytest.raises(ConfigurationError):
+        RedisStore(client=redis.Redis.from_url(redis_url, decode_responses=True))
+    with pytest.raises(ConfigurationError):
+        RedisStore()
+
+
+# -- failing closed ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def _redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A private redis-server on loopback ``port``, up once it answers; killed on exit."""
+    server = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with redis.Redis(port=port, socket_connect_timeout=0.2) as probe:
+                    probe.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.05)
+        yield server
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+
+
+def test_killed_server_fails_closed_and_service_resumes() -> None:
+    """With the server killed a guarded call raises StoreUnavailableError and runs nothing;
+    once a server is back on the same port, calls execute and replay again."""
+    port = _free_port()
+    runs: list[str] = []
+    url = f"redis://127.0.0.1:{port}/0"
+    prefix = f"failclosed-{uuid.uuid4().hex[:8]}"
+
+    def guarded(idem: Idempotency, key: str) -> Any:
+        with idem.once(key, operation="charge", payload={"key": key}) as call:
+            if not call.replayed:
+                runs.append(key)
+                call.result = {"charged": key}
+        return call.result
+
+    with _redis_server(port) as server:
+        store = RedisStore(url, prefix=prefix, socket_timeout=1, socket_connect_timeout=1)
+        idem = Idempotency(store, POLICY)
+        assert guarded(idem, "before") == {"charged": "before"}
+        server.kill()
+        server.wait()
+
+        with pytest.raises(StoreUnavailableError):
+            guarded(idem, "during")
+        with pytest.raises(StoreUnavailableError):
+            store.get(Scope.of("before", operation="charge"))
+        assert runs == ["before"]
+
+    with _redis_server(port):
+        assert guarded(idem, "during") == {"charged": "during"}
+        assert guarded(idem, "during") == {"charged": "during"}
+        assert runs == ["before", "during"]
+        store.close()
+
+
+def test_repeated_settle_is_idempotent(redis_store: RedisStore) -> None:
+    """Settling again with the same token, status and response (a retried command whose reply
+    was lost) succeeds and changes nothing; any other second settle is fenced."""
+    now = datetime.now(UTC)
+    scope = Scope.of("k", operation="op")
+    ttl = timedelta(hours=1)
+    reservation = redis_store.reserve(scope, "fp", now=now, lease=timedelta(seconds=5), ttl=ttl)
+    assert isinstance(reservation, Acquired)
+    redis_store.complete(scope, reservation.token, b"done", now=now, ttl=ttl)
+    first = redis_store.get(scope)
+
+    redis_store.complete(scope, reservation.token, b"done", now=now + ttl, ttl=ttl)
+
+    assert redis_store.get(scope) == first
+    with pytest.raises(FencedError):
+        redis_store.fail(scope, reservation.token, b"done", now=now, ttl=ttl)
+    with pytest.raises(FencedError):
+        redis_store.complete(scope, reservation.token, b"other", now=now, ttl=ttl)
