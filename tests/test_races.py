@@ -295,14 +295,16 @@ def _process_main(
     results.put((index, outcomes, problem))
 
 
-def _process_race(target: Target) -> Tally:
-    target.prepare()
+def run_processes(
+    main: Callable[..., None], args: tuple[Any, ...], keys: list[str]
+) -> list[Outcome]:
+    """Run ``main(*args, index, keys, barrier, results)`` in PROCESSES spawned processes that
+    a barrier releases together at each key; gather every caller's outcome."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(PROCESSES)
     results = context.Queue()
-    keys = make_keys(f"{target.database.kind}-{target.mode}-proc")
     processes = [
-        context.Process(target=_process_main, args=(target, index, keys, barrier, results))
+        context.Process(target=main, args=(*args, index, keys, barrier, results))
         for index in range(PROCESSES)
     ]
     for process in processes:
@@ -323,6 +325,13 @@ def _process_race(target: Target) -> Tally:
                 process.join()
     assert not problems, problems
     assert all(process.exitcode == 0 for process in processes)
+    return outcomes
+
+
+def _process_race(target: Target) -> Tally:
+    target.prepare()
+    keys = make_keys(f"{target.database.kind}-{target.mode}-proc")
+    outcomes = run_processes(_process_main, (target,), keys)
     return check_race(target, outcomes, keys, PROCESSES)
 
 

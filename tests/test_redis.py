@@ -7,7 +7,6 @@ and its own key naming.
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
 import subprocess
 import time
@@ -42,6 +41,7 @@ from test_races import (
     make_keys,
     race_tasks,
     race_threads,
+    run_processes,
 )
 
 pytestmark = pytest.mark.redis
@@ -124,35 +124,8 @@ def _redis_process_main(
 def test_processes_redis_store_execute_once_per_key(redis_url: str, redis_prefix: str) -> None:
     """4 spawned processes, each with its own RedisStore, released together at each of 200
     keys execute each key exactly once."""
-    context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(PROCESSES)
-    results = context.Queue()
     keys = make_keys("redis-proc")
-    processes = [
-        context.Process(
-            target=_redis_process_main,
-            args=(redis_url, redis_prefix, index, keys, barrier, results),
-        )
-        for index in range(PROCESSES)
-    ]
-    for process in processes:
-        process.start()
-    outcomes: list[Outcome] = []
-    problems = []
-    try:
-        for _ in processes:
-            _, got, problem = results.get(timeout=150)
-            outcomes.extend(got)
-            if problem:
-                problems.append(problem)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    assert not problems, problems
-    assert all(process.exitcode == 0 for process in processes)
+    outcomes = run_processes(_redis_process_main, (redis_url, redis_prefix), keys)
     effects = Effects(redis_url, redis_prefix).collect(keys)
     check_exactly_once(outcomes, keys, PROCESSES, effects)
 
