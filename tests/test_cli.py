@@ -3,62 +3,18 @@
 from __future__ import annotations
 
 import re
-import sqlite3
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import psycopg
 import pytest
 from typer.testing import CliRunner
 
 from idempo import Idempotency, Policy, Scope
 from idempo.cli import app
-from idempo.demo import run_storm
 from idempo.stores import open_store
 from idempo.testing import FakeClock
 
 runner = CliRunner()
-
-
-def test_demo_reports_exactly_once_and_exits_zero(tmp_path: Path) -> None:
-    """A small storm on a fresh SQLite file prints the report and exits 0 (exactly once)."""
-    url = f"sqlite:///{tmp_path / 'demo.db'}"
-    result = runner.invoke(
-        app, ["demo", "--store", url, "--intents", "30", "--retries", "3", "--concurrency", "6"]
-    )
-    assert result.exit_code == 0, result.output
-    assert "exactly-once held" in result.output
-    assert "double charges" in result.output
-
-
-def test_demo_storm_charges_each_intent_once_with_every_kind_of_answer(tmp_path: Path) -> None:
-    """The storm really produces replays, conflicts, in-flight answers and transient retries,
-    and still charges every intent exactly once; the payments table proves it."""
-    url = f"sqlite:///{tmp_path / 'storm.db'}"
-    report = run_storm(url, intents=60, retries=4, concurrency=8, work_seconds=0.01)
-    tally = report.tally
-    assert report.exactly_once
-    assert sorted(report.charges.values()) == [1] * 60
-    assert tally.replays > 0
-    assert tally.transient > 0
-    assert tally.executions == 60 + tally.transient
-    conn = sqlite3.connect(tmp_path / "storm.db")
-    rows = conn.execute("SELECT intent, count(*) FROM demo_payments GROUP BY intent").fetchall()
-    conn.close()
-    assert len(rows) == 60
-    assert {count for _, count in rows} == {1}
-
-
-@pytest.mark.postgres
-def test_demo_runs_on_postgresql(postgres_url: str, pg_schema: str) -> None:
-    """The same storm on PostgreSQL holds exactly once too."""
-    report = run_storm(
-        f"{postgres_url}?table={pg_schema}.idempo_records", intents=40, concurrency=6
-    )
-    with psycopg.connect(postgres_url) as conn:
-        (rows,) = conn.execute(f"SELECT count(*) FROM {pg_schema}.demo_payments").fetchone() or (0,)
-    assert rows == 40
-    assert report.exactly_once
 
 
 def _completed_and_expired(url: str) -> None:

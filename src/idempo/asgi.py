@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from datetime import timedelta
 from typing import Any
 
@@ -46,10 +47,12 @@ from .errors import (
     RequestTooLargeError,
     ResponseTooLargeError,
     StoreError,
+    StoreUnavailableError,
 )
 from .guard import AsyncAttempt, AsyncIdempotency
 from .policy import Policy
 from .stores import AsyncStore, open_async_store
+from .stores.base import AsyncTransactionalStore, Mode
 
 __all__ = ["IdempotencyMiddleware", "route_template"]
 
@@ -62,6 +65,9 @@ ASGIApp = Callable[[ASGIScope, Receive, Send], Awaitable[None]]
 logger = logging.getLogger("idempo.http")
 
 _MIB = DEFAULT_BODY_LIMIT
+# Where a guarded request's attempt and connection are put in the app's ASGI scope.
+ATTEMPT_SCOPE_KEY = "idempo.attempt"
+CONNECTION_SCOPE_KEY = "idempo.connection"
 # Extensions that hand the server a body outside http.response.body messages (a file path,
 # a zero-copy fd) or add trailers: a guarded app must not see them, or its response could
 # not be captured and replayed byte for byte.
@@ -105,6 +111,17 @@ class IdempotencyMiddleware:
             the key (None); defaults to SPEC §2 rule 7.
         max_retry_after: the most a 409's ``Retry-After`` says, in seconds.
         store_retry_after: ``Retry-After`` of a 503, in seconds.
+        connection: opens the app's database connection for one request (an async context
+            manager factory: SQLAlchemy's ``engine.connect`` or ``async_sessionmaker``, a
+            psycopg ``AsyncConnectionPool.connection``). The record then rides on that
+            connection's transaction, and the endpoint gets the connection from
+            `idempo.contrib.starlette.idempotent_connection` (a FastAPI dependency too), so
+            its writes and the stored response commit together (docs/http.md).
+        mode: with ``connection``: ``"transactional"`` (reservation, writes and response
+            commit in one transaction; a duplicate waits on the row lock, then gets 409) or
+            ``"leased"`` (the reservation commits first, so a duplicate gets 409 at once; the
+            writes commit with the fenced response at the end — for handlers that call out
+            to other systems).
 
     >>> from idempo.stores.memory import AsyncMemoryStore
     >>> async def app(scope, receive, send): ...
@@ -134,6 +151,8 @@ class IdempotencyMiddleware:
         classify: Classifier = classify_status,
         max_retry_after: int = 5,
         store_retry_after: int = 5,
+        connection: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        mode: Mode = "transactional",
     ) -> None:
         check_options(
             max_request_bytes=max_request_bytes,
@@ -158,6 +177,22 @@ class IdempotencyMiddleware:
         self.max_retry_after = max_retry_after
         self.store_retry_after = store_retry_after
         self.renew_every = self.idempotency.policy.lease.total_seconds() / 3
+        if mode not in ("transactional", "leased"):
+            raise ConfigurationError(f"mode must be 'transactional' or 'leased', not {mode!r}")
+        if connection is not None and not isinstance(
+            self.idempotency.store, AsyncTransactionalStore
+        ):
+            raise ConfigurationError(
+                f"{type(self.idempotency.store).__name__} cannot join the app's transaction;"
+                " connection= needs a SQL store"
+            )
+        if connection is not None and fail_open:
+            raise ConfigurationError(
+                "fail_open cannot go with connection=: the endpoint's writes ride on the"
+                " record's transaction, so there is nothing to run unguarded"
+            )
+        self.connection = connection
+        self.mode: Mode = mode
 
     async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self.methods:
@@ -195,6 +230,11 @@ def _guard(
             f"{type(store).__name__}"
         )
     return AsyncIdempotency(store, http_policy(policy, lease, max_response_bytes))
+
+
+_NOT_COMMITTED = StoreUnavailableError(
+    "the request's writes and its record did not commit; nothing was kept, retry"
+)
 
 
 class _Renewal:
@@ -241,6 +281,16 @@ class _Renewal:
             await task
 
 
+async def _open(
+    stack: AsyncExitStack, connection: Callable[[], AbstractAsyncContextManager[Any]]
+) -> Any:
+    try:
+        return await stack.enter_async_context(connection())
+    except Exception as exc:
+        # The database the record rides on is the store: down means 503, as for any store.
+        raise StoreUnavailableError(f"could not open the app's connection: {exc}") from exc
+
+
 class _Exchange:
     """One guarded request: its key, body, attempt and captured response."""
 
@@ -254,6 +304,7 @@ class _Exchange:
         self.headers: list[Any] = list(scope.get("headers") or [])
         # Set once the work runs:
         self.once: Any = None
+        self.conn: Any = None
         self.attempt: AsyncAttempt | None = None
         self.renewal: _Renewal | None = None
         self.start: Message | None = None
@@ -281,24 +332,33 @@ class _Exchange:
             return
         if body is None:
             return  # the client went away before sending its whole body
-        attempt = await self._reserve(key, body)
-        if attempt is None:
-            return
-        if attempt.replayed:
-            await self.once.__aexit__(None, None, None)
-            await self._answer(attempt.result.replay(status_200=mw.replay_status_200))
-            return
-        await self._execute(attempt, body)
+        # The app's connection, when it carries the record, lives exactly as long as the
+        # guarded call: opened after the cheap refusals, closed after the outcome commits.
+        async with AsyncExitStack() as connection:
+            attempt = await self._reserve(key, body, connection)
+            if attempt is None:
+                return
+            if attempt.replayed:
+                await self.once.__aexit__(None, None, None)
+                await self._answer(attempt.result.replay(status_200=mw.replay_status_200))
+                return
+            await self._execute(attempt, body)
 
-    async def _reserve(self, key: str, body: bytes) -> AsyncAttempt | None:
+    async def _reserve(
+        self, key: str, body: bytes, connection: AsyncExitStack
+    ) -> AsyncAttempt | None:
         """The attempt to run or replay, or None once the request has been answered."""
         mw = self.mw
         try:
+            if mw.connection is not None:
+                self.conn = await _open(connection, mw.connection)
             self.once = mw.idempotency.once(
                 key,
                 operation=self._operation(),
                 payload=self._payload(body),
                 principal=self._principal(),
+                conn=self.conn,
+                mode=mw.mode,
                 codec=mw.codec,
             )
             attempt: AsyncAttempt = await self.once.__aenter__()
@@ -380,7 +440,9 @@ class _Exchange:
             tuple((bytes(name), bytes(value)) for name, value in self.start.get("headers", [])),
             b"".join(self.chunks),
         )
-        await self._settle(response)
+        if not await self._settle(response):
+            await self._answer(self.mw.problem(_NOT_COMMITTED))
+            return
         await self.send(self.start)
         await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
 
@@ -388,8 +450,12 @@ class _Exchange:
         assert self.start is not None
         return UnkeptResponse(int(self.start["status"]), self.size, self.mw.max_response_bytes)
 
-    async def _settle(self, result: HttpResponse | UnkeptResponse | None) -> None:
-        """Store the outcome (or release the key), before the client sees the end of it."""
+    async def _settle(self, result: HttpResponse | UnkeptResponse | None) -> bool:
+        """Store the outcome (or release the key), before the client sees the end of it.
+
+        False when recording failed. On the app's connection its writes then rolled back
+        with the record, so the response it made must not be sent.
+        """
         assert self.attempt is not None
         assert self.renewal is not None
         self.settled = True
@@ -406,6 +472,13 @@ class _Exchange:
                 exc,
             )
         except IdempotencyError as exc:
+            if self.conn is not None:
+                logger.warning(
+                    "idempo: the outcome for key %r did not commit; nothing was kept: %s",
+                    self.attempt.scope.key,
+                    exc,
+                )
+                return False
             # The work ran and the client is owed its answer; only the record failed (a
             # store fault, a lost lease). A retry may execute again once the lease ends.
             logger.warning(
@@ -413,6 +486,7 @@ class _Exchange:
                 self.attempt.scope.key,
                 exc,
             )
+        return True
 
     async def _read_body(self) -> bytes | None:
         limit = self.mw.max_request_bytes
@@ -448,6 +522,10 @@ class _Exchange:
 
     def _app_scope(self) -> ASGIScope:
         scope = dict(self.scope)
+        # What the endpoint may use: idempo.contrib.starlette reads these.
+        scope[ATTEMPT_SCOPE_KEY] = self.attempt
+        if self.conn is not None:
+            scope[CONNECTION_SCOPE_KEY] = self.conn
         extensions = scope.get("extensions")
         if extensions:
             scope["extensions"] = {

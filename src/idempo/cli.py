@@ -43,8 +43,22 @@ def demo(
     intents: Annotated[int, typer.Option(min=1, help="payments to make")] = 200,
     retries: Annotated[int, typer.Option(min=1, help="concurrent callers per payment")] = 4,
     concurrency: Annotated[int, typer.Option(min=1, help="callers at once")] = 16,
+    crash: Annotated[bool, typer.Option(help="kill and restart the server mid-storm")] = True,
+    serve: Annotated[
+        bool, typer.Option("--serve", help="only serve the example payments API")
+    ] = False,
+    host: Annotated[str, typer.Option(help="with --serve: the address to listen on")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="with --serve: the port to listen on")] = 8000,
 ) -> None:
-    """Fire a storm of concurrent duplicate retries and show that each payment ran once."""
+    """Serve the example payments API and storm it with retries; check each payment ran once.
+
+    With --serve, only serve the API (docs at /docs, the OpenAPI document at /openapi.json).
+    """
+    if serve:
+        _serve(store, host, port)
+        return
     from .demo import run_storm  # noqa: PLC0415 - keeps the other commands fast to start
 
     with Progress(
@@ -56,32 +70,50 @@ def demo(
             intents=intents,
             retries=retries,
             concurrency=concurrency,
+            crash=crash,
             on_progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
-    tally = report.tally
+    _print_report(report)
+    if not report.exactly_once:
+        console.print("[red]exactly-once VIOLATED[/red]")
+        raise typer.Exit(1)
+    console.print("[green]exactly-once held:[/green] every payment charged once, and every")
+    console.print("caller of an intent got the same answer, byte for byte.")
+
+
+def _serve(store: str | None, host: str, port: int) -> None:
+    from .example.server import serve  # noqa: PLC0415 - needs the demo extra
+
+    url = store or "sqlite:///idempo-example.db"
+    console.print(f"example payments API on http://{host}:{port}  (docs: /docs, store: {url})")
+    serve(url, host=host, port=port)
+
+
+def _print_report(report: Any) -> None:
+    tally, ledger = report.tally, report.ledger
     table = Table(title="idempo demo: exactly-once under a retry storm")
     table.add_column("measure")
     table.add_column("count", justify="right")
     for name, value in [
         ("intents (payments wanted)", report.intents),
-        ("calls (including retries)", tally.calls),
-        ("executions started", tally.executions),
+        ("HTTP requests (every attempt, retries included)", tally.requests),
+        ("executions (calls to the payment provider)", ledger["psp_calls"]),
         ("replays of a stored answer", tally.replays),
-        ("conflicts (same key, other payload → refused)", tally.conflicts),
-        ("in-progress answers (duplicate while in flight)", tally.in_progress),
-        ("transient failures retried", tally.transient),
-        ("payments charged", sum(report.charges.values())),
+        ("conflicts (key reused with another payload → 422)", tally.conflicts),
+        ("in-progress answers (409, duplicate in flight)", tally.in_progress),
+        ("transient failures retried (5xx)", tally.transient),
+        ("connections dropped (retried)", tally.dropped),
+        ("server crashes (SIGKILL, then restart)", report.crashes),
+        ("requests in flight at the crash", tally.cut_off_by_crash),
+        ("payments made", ledger["payments"]),
+        ("charges at the provider", ledger["charges"]),
+        ("declined cards (402, stored and replayed)", report.declined),
         ("intents answered inconsistently", report.inconsistent),
-        ("double charges", report.double_charges),
+        ("callers left without an answer", tally.unanswered),
+        ("double charges", ledger["double_charges"]),
     ]:
         table.add_row(name, str(value))
     console.print(table)
-    if report.exactly_once:
-        console.print("[green]exactly-once held:[/green] every intent charged once, every caller")
-        console.print("got the same answer.")
-        return
-    console.print("[red]exactly-once VIOLATED[/red]")
-    raise typer.Exit(1)
 
 
 @app.command()

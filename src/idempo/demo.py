@@ -1,11 +1,16 @@
-"""`idempo demo`: a storm of concurrent duplicate retries against a guarded payment function.
+"""`idempo demo`: a retry storm against the example payments API, served on loopback.
 
-Each intent (one payment a customer wants) is sent by several concurrent callers with the
-same key, as a client retrying after timeouts would. Some intents are first met by a
-transient failure, some by a caller that reuses the key with another amount, and the work
-holds its key long enough that duplicates arrive while it is in flight. The business write
-(a payment row, in a table with no unique constraint, so a double charge would show) commits
-with the idempotency record in the app's own transaction.
+The example API (`idempo.example`) runs in a server process of its own. Each intent (a payment
+one customer wants) gets one key, and several concurrent clients send it, each through
+`idempo.client.IdempotentTransport`, which retries timeouts, dropped connections, 5xx and
+409-in-progress with the same key. Some intents hold their reservation a while
+(``X-Demo-Delay-Ms``), so duplicates arrive in flight; some first meet a transient failure
+(``X-Demo-Fail``); some are declined; some keys are reused later with another payload. Partway
+through, the server is SIGKILLed with requests in flight and started again on the same store.
+
+Exactly-once is then checked against the data, not the clients' word: every caller of an
+intent got the same bytes, the ledger holds one payment and one charge per paid intent, and
+no intent was charged twice.
 """
 
 from __future__ import annotations
@@ -13,40 +18,64 @@ from __future__ import annotations
 import random
 import tempfile
 import threading
-import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .errors import FingerprintMismatchError, RequestInProgressError
-from .guard import Idempotency
-from .policy import Policy
-from .stores import open_store
+import httpx
 
-OPERATION = "demo.charge"
+from .client import IdempotentTransport, RetryPolicy
+from .example.server import ExampleServer
+
+__all__ = ["Report", "Tally", "run_storm"]
+
+# Short, so the storm also shows a crashed server's keys coming free; renewed while handlers live.
+DEMO_LEASE_SECONDS = 2.0
+DECLINED_CARD = "4000000000000002"
+GOOD_CARD = "4242424242424242"
 
 
-class TransientError(Exception):
-    """The simulated payment provider timed out; nothing was charged, a retry may run again."""
+@dataclass(frozen=True)
+class Intent:
+    """One payment a customer wants, and how the storm will treat it."""
+
+    key: str
+    user: str
+    amount: int
+    card: str
+    delay_ms: int = 0
+    flaky: bool = False
+    reused: bool = False  # the key is sent again later with another amount
+
+    def body(self, amount: int | None = None) -> dict[str, Any]:
+        return {"amount": amount or self.amount, "currency": "EUR", "card": self.card}
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Idempotency-Key": self.key, "Authorization": f"Bearer {self.user}"}
+        if self.delay_ms:
+            headers["X-Demo-Delay-Ms"] = str(self.delay_ms)
+        return headers
 
 
 @dataclass
 class Tally:
-    """What the storm did, counted as it happened."""
+    """What the clients saw, counted as it happened (every attempt, retries included)."""
 
-    calls: int = 0
-    executions: int = 0
+    requests: int = 0
     replays: int = 0
     conflicts: int = 0
     in_progress: int = 0
     transient: int = 0
-    answers: dict[str, set[str]] = field(default_factory=dict)
+    dropped: int = 0
+    unanswered: int = 0
+    in_flight: int = 0
+    delayed_in_flight: int = 0
+    cut_off_by_crash: int = 0
+    answers: dict[str, set[tuple[int, bytes]]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, **counts: int) -> None:
@@ -54,143 +83,133 @@ class Tally:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
 
-    def answer(self, intent: str, payment_id: str) -> None:
+    def answer(self, key: str, status: int, body: bytes) -> None:
         with self.lock:
-            self.answers.setdefault(intent, set()).add(payment_id)
+            self.answers.setdefault(key, set()).add((status, body))
 
 
 @dataclass(frozen=True)
 class Report:
-    """The outcome: exactly-once held if every intent was charged once and answered alike."""
+    """The outcome, from the clients' answers and the server's ledger (before/after deltas)."""
 
     intents: int
     tally: Tally
-    charges: Counter[str]
-
-    @property
-    def double_charges(self) -> int:
-        return sum(1 for count in self.charges.values() if count > 1)
-
-    @property
-    def missing(self) -> int:
-        return sum(1 for intent in self.tally.answers if self.charges[intent] == 0)
+    ledger: dict[str, int]
+    paid: int
+    declined: int
+    reused: int
+    crashes: int
 
     @property
     def inconsistent(self) -> int:
-        return sum(1 for ids in self.tally.answers.values() if len(ids) != 1)
+        """Intents whose callers did not all get the same status and bytes."""
+        return sum(1 for answers in self.tally.answers.values() if len(answers) != 1)
 
     @property
     def exactly_once(self) -> bool:
-        charged = sum(1 for count in self.charges.values() if count == 1)
         return (
-            self.double_charges == 0
-            and self.missing == 0
-            and self.inconsistent == 0
-            and charged == self.intents
+            self.inconsistent == 0
+            and self.tally.unanswered == 0
+            and len(self.tally.answers) == self.intents
+            and self.ledger["payments"] == self.paid
+            and self.ledger["charges"] == self.paid
+            and self.ledger["double_charges"] == 0
+            and self.tally.conflicts == self.reused
         )
 
 
-class _App:
-    """The example app: a payments table next to the idempotency records."""
+class _Counting(httpx.BaseTransport):
+    """Sees every attempt the retrying transport makes, so the report can count them."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.store: Any = open_store(url)
-        self.store.migrate()
-        # The payments live next to the records (same schema), so one URL is the whole state.
-        schema, _, _ = self.store.dialect.table.rpartition(".")
-        self.payments = f"{schema}.demo_payments" if schema else "demo_payments"
-        self._local = threading.local()
-        self._connections: list[Any] = []
-        self._lock = threading.Lock()
-        with self.connection() as conn:
-            conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {self.payments}"
-                " (payment_id TEXT NOT NULL, intent TEXT NOT NULL, amount INTEGER NOT NULL)"
-            )
-            conn.commit()
+    def __init__(self, inner: httpx.BaseTransport, tally: Tally) -> None:
+        self.inner = inner
+        self.tally = tally
 
-    def connect(self) -> Any:
-        if self.url.startswith("sqlite"):
-            return self.store.connect()
-        import psycopg  # noqa: PLC0415 - only for a PostgreSQL demo
-
-        return psycopg.connect(self.url.split("?", 1)[0])
-
-    @contextmanager
-    def connection(self) -> Iterator[Any]:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self.connect()
-            with self._lock:
-                self._connections.append(conn)
-        yield conn
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        delayed = int("x-demo-delay-ms" in request.headers)
+        self.tally.add(requests=1, in_flight=1, delayed_in_flight=delayed)
+        try:
+            response = self.inner.handle_request(request)
+            response.read()
+        except httpx.TransportError:
+            self.tally.add(dropped=1)
+            raise
+        finally:
+            self.tally.add(in_flight=-1, delayed_in_flight=-delayed)
+        if response.status_code == 409:
+            self.tally.add(in_progress=1)
+        elif response.status_code >= 500:
+            self.tally.add(transient=1)
+        return response
 
     def close(self) -> None:
-        for conn in self._connections:
-            conn.close()
-        self.store.close()
+        self.inner.close()
 
-    def charges(self) -> Counter[str]:
-        with self.connection() as conn:
-            rows = conn.execute(f"SELECT intent FROM {self.payments}").fetchall()
-            conn.rollback()
-        return Counter(intent for (intent,) in rows)
 
-    def param(self) -> str:
-        return "?" if self.url.startswith("sqlite") else "%s"
+def _plan(intents: int, rng: random.Random) -> list[Intent]:
+    users = [f"user-{n}" for n in range(5)]
+    return [
+        Intent(
+            key=str(uuid.uuid4()),
+            user=rng.choice(users),
+            amount=rng.randint(100, 100_000),
+            card=DECLINED_CARD if rng.random() < 0.05 else GOOD_CARD,
+            delay_ms=rng.randint(100, 400) if rng.random() < 0.1 else 0,
+            flaky=rng.random() < 0.1,
+            reused=rng.random() < 0.05,
+        )
+        for _ in range(intents)
+    ]
+
+
+@contextmanager
+def _clients(
+    base: str, tally: Tally, concurrency: int
+) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    """A retrying client for the callers, and a plain one for single, unretried requests."""
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    # Generous: a caller rides out the crash, the restart and the dead server's lease.
+    policy = RetryPolicy(max_attempts=50, deadline=90, backoff_base=0.05, backoff_max=0.5)
+    retrying = IdempotentTransport(
+        _Counting(httpx.HTTPTransport(limits=limits), tally), policy=policy
+    )
+    single = _Counting(httpx.HTTPTransport(), tally)
+    with (
+        httpx.Client(base_url=base, transport=retrying, timeout=30) as client,
+        httpx.Client(base_url=base, transport=single, timeout=30) as once,
+    ):
+        yield client, once
 
 
 def _caller(
-    idem: Idempotency,
-    app: _App,
-    tally: Tally,
-    intent: str,
-    amount: int,
-    work_seconds: float,
-    flaky: set[str],
+    client: httpx.Client, once: httpx.Client, tally: Tally, intent: Intent, first: bool
 ) -> None:
-    """One client: retries its intent with the same key until it gets the answer."""
-    p = app.param()
-    insert = f"INSERT INTO {app.payments} (payment_id, intent, amount) VALUES ({p}, {p}, {p})"
-    while True:
-        tally.add(calls=1)
-        try:
-            with (
-                app.connection() as conn,
-                idem.once(
-                    intent,
-                    operation=OPERATION,
-                    payload={"amount": amount},
-                    conn=conn,
-                    mode="leased",
-                ) as attempt,
-            ):
-                if not attempt.replayed:
-                    tally.add(executions=1)
-                    payment_id = str(uuid.uuid4())
-                    conn.execute(insert, (payment_id, intent, amount))
-                    time.sleep(work_seconds)  # duplicates arrive while this is in flight
-                    with tally.lock:
-                        fail_now = intent in flaky
-                        flaky.discard(intent)
-                    if fail_now:
-                        raise TransientError(intent)
-                    attempt.result = {"payment_id": payment_id, "amount": amount}
-        except RequestInProgressError as exc:
-            tally.add(in_progress=1)
-            time.sleep(min(exc.retry_after, 0.01) * random.uniform(0.5, 1.5))
-            continue
-        except TransientError:
-            tally.add(transient=1)
-            continue
-        except FingerprintMismatchError:
-            tally.add(conflicts=1)
-            return
-        if attempt.replayed:
-            tally.add(replays=1)
-        tally.answer(intent, attempt.result["payment_id"])
+    """One client: sends its intent (retrying inside the transport) and notes the answer."""
+    if first and intent.flaky:
+        # A transient failure before any charge: the key is released, a retry runs it.
+        once.post(
+            "/payments",
+            json=intent.body(),
+            headers={**intent.headers(), "X-Demo-Fail": "transient"},
+        )
+    try:
+        response = client.post("/payments", json=intent.body(), headers=intent.headers())
+    except httpx.TransportError:
+        tally.add(unanswered=1)
         return
+    if response.status_code not in (201, 402):
+        tally.add(unanswered=1)
+        return
+    if response.headers.get("idempotent-replayed") == "true":
+        tally.add(replays=1)
+    tally.answer(intent.key, response.status_code, response.content)
+
+
+def _reuse(once: httpx.Client, tally: Tally, intent: Intent) -> None:
+    """A client bug: the same key with another amount. It must be refused, never run."""
+    response = once.post("/payments", json=intent.body(intent.amount + 1), headers=intent.headers())
+    if response.status_code == 422:
+        tally.add(conflicts=1)
 
 
 def run_storm(
@@ -199,51 +218,78 @@ def run_storm(
     intents: int = 200,
     retries: int = 4,
     concurrency: int = 16,
-    work_seconds: float = 0.005,
+    crash: bool = True,
+    seed: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Report:
-    """Run the storm and report. ``url`` defaults to a fresh SQLite file."""
-    if url is None:
-        url = f"sqlite:///{Path(tempfile.mkdtemp(prefix='idempo-demo-')) / 'demo.db'}"
-    app = _App(url)
-    idem = Idempotency(app.store, Policy(lease=timedelta(seconds=10)))
+    """Serve the example API on ``url`` (default: a fresh SQLite file), storm it, report."""
+    workdir = Path(tempfile.mkdtemp(prefix="idempo-demo-"))
+    url = url or f"sqlite:///{workdir / 'demo.db'}"
+    server = ExampleServer(url, workdir / "server.log", lease=DEMO_LEASE_SECONDS)
+    server.start()
     try:
-        return _storm(app, idem, intents, retries, concurrency, work_seconds, on_progress)
+        return _storm(
+            server, intents, retries, concurrency, crash, random.Random(seed), on_progress
+        )
     finally:
-        app.close()
+        server.stop()
 
 
 def _storm(
-    app: _App,
-    idem: Idempotency,
+    server: ExampleServer,
     intents: int,
     retries: int,
     concurrency: int,
-    work_seconds: float,
+    crash: bool,
+    rng: random.Random,
     on_progress: Callable[[int, int], None] | None,
 ) -> Report:
-    rng = random.Random(1)
-    names = [f"intent-{uuid.uuid4()}" for _ in range(intents)]
-    flaky = {name for name in names if rng.random() < 0.1}
-    jobs: list[tuple[str, int]] = []
-    for name in names:
-        amount = rng.randint(100, 100_000)
-        jobs += [(name, amount)] * retries
-        if rng.random() < 0.05:
-            jobs.append((name, amount + 1))  # a client bug: same key, another payload
-    rng.shuffle(jobs)
+    plan = _plan(intents, rng)
+    # Each intent's callers side by side, so the pool runs them at the same moment.
+    jobs = [(intent, n == 0) for intent in plan for n in range(retries)]
+    reused = [intent for intent in plan if intent.reused]
+    total = len(jobs) + len(reused)
+    before = server.ledger()
     tally = Tally()
+    crashes = 0
     done = 0
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [
-            pool.submit(_caller, idem, app, tally, name, amount, work_seconds, flaky)
-            for name, amount in jobs
-        ]
-        for future in futures:
-            future.result()
+    with _clients(server.base, tally, concurrency) as (client, once):
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            futures = [
+                pool.submit(_caller, client, once, tally, intent, first) for intent, first in jobs
+            ]
+            for future in futures:
+                future.result()
+                done += 1
+                if on_progress:
+                    on_progress(done, total)
+                if crash and not crashes and _crash_due(tally, done, len(jobs)):
+                    with tally.lock:
+                        tally.cut_off_by_crash = tally.in_flight
+                    server.kill()
+                    crashes += 1
+                    server.start()
+        for intent in reused:
+            _reuse(once, tally, intent)
             done += 1
             if on_progress:
-                on_progress(done, len(futures))
-    wanted = set(names)  # a reused store may hold earlier runs' payments
-    charges = Counter({k: n for k, n in app.charges().items() if k in wanted})
-    return Report(intents=intents, tally=tally, charges=charges)
+                on_progress(done, total)
+    after = server.ledger()
+    statuses = [next(iter(answers))[0] for answers in tally.answers.values() if answers]
+    return Report(
+        intents=intents,
+        tally=tally,
+        ledger={name: after[name] - before[name] for name in after},
+        paid=statuses.count(201),
+        declined=statuses.count(402),
+        reused=len(reused),
+        crashes=crashes,
+    )
+
+
+def _crash_due(tally: Tally, done: int, jobs: int) -> bool:
+    # A third of the way in, at a moment when a slow handler holds its key (so the crash
+    # leaves a reservation behind to recover), or unconditionally by two thirds.
+    if done < jobs / 3:
+        return False
+    return tally.delayed_in_flight > 0 or done >= 2 * jobs / 3
