@@ -418,8 +418,10 @@ class _Exchange:
         more = bool(message.get("more_body", False))
         self.size += len(chunk)
         if self.streaming:
-            if not more:
-                await self._settle(self._unkept())
+            if not more and not await self._settle(self._unkept()):
+                # Most of a response whose writes rolled back is out: end it broken, never
+                # whole, so the client cannot take it for an answer.
+                raise StoreUnavailableError("the writes behind this response did not commit")
             await self.send(message)
             return
         self.chunks.append(chunk)
@@ -427,8 +429,9 @@ class _Exchange:
             # Holding a response this big would hold the client hostage to the store's
             # limit: stream it, and record that it could not be kept.
             self.streaming = True
-            if not more:
-                await self._settle(self._unkept())
+            if not more and not await self._settle(self._unkept()):
+                await self._answer(self.mw.problem(_NOT_COMMITTED))
+                return
             held, self.chunks = b"".join(self.chunks), []
             await self.send(self.start)
             await self.send({"type": "http.response.body", "body": held, "more_body": more})
@@ -573,11 +576,16 @@ class _Exchange:
 def route_template(app: Any, scope: ASGIScope) -> str | None:
     """The route template a request matches (``/payments/{id}``), or None.
 
-    Works on anything shaped like a Starlette router (Starlette, FastAPI): ``routes`` whose
-    items answer ``matches(scope)`` and carry a ``path``; mounts and FastAPI's included
-    routers are searched too. Found by duck typing, so idempo imports no framework. None
-    (use the raw path) is always safe: more operations never replay another endpoint's answer.
+    A framework that routes before its middleware runs says so in the scope: Litestar sets
+    ``path_template`` (its app-level ``middleware=`` run per route). Otherwise works on
+    anything shaped like a Starlette router (Starlette, FastAPI): ``routes`` whose items
+    answer ``matches(scope)`` and carry a ``path``; mounts and FastAPI's included routers are
+    searched too. Found by duck typing, so idempo imports no framework. None (use the raw
+    path) is always safe: more operations never replay another endpoint's answer.
     """
+    routed = scope.get("path_template")
+    if isinstance(routed, str) and routed:
+        return routed
     routes = getattr(app, "routes", None)
     if routes is None:
         routes = getattr(getattr(app, "router", None), "routes", None)
