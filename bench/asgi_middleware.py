@@ -63,7 +63,7 @@ peers, each used as its README shows, added with Starlette's middleware=[Middlew
                       backend=idempotency_header_middleware.backends.MemoryBackend())
            (README's second form; its first, app.add_middleware(IdempotencyHeaderMiddleware(
            backend=backend)), raises TypeError: the dataclass needs `app` first;
-           installed as asgi-idempotency-header[redis]: the package imports redis even
+           installed with redis importable (idempo[redis]): the package imports redis even
            for MemoryBackend, so the README's plain `pip install` cannot start)"""
 
 WRK_SCRIPT = """\
