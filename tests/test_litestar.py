@@ -34,7 +34,7 @@ async def read_order(order_id: FromPath[int]) -> dict[str, Any]:
 def client(tmp_path: Path) -> Iterator[TestClient[Litestar]]:
     runs.clear()
     store = AsyncSQLiteStore(str(tmp_path / "idem.db"))
-    store._sync.migrate()  # noqa: SLF001 - the sync twin migrates without an event loop
+    store._sync.migrate()  # the sync twin migrates without an event loop
     app = Litestar(
         route_handlers=[create_order, read_order],
         middleware=[DefineMiddleware(IdempotencyMiddleware, store=store)],

@@ -38,6 +38,7 @@ from ._http import (
     header_values,
     http_policy,
     parse_key,
+    problem,
     problem_for,
 )
 from .errors import (
@@ -208,6 +209,19 @@ class IdempotencyMiddleware:
             exc, max_retry_after=self.max_retry_after, store_retry_after=self.store_retry_after
         )
 
+    def not_committed(self) -> HttpResponse:
+        """The answer when, on the app's connection, the outcome failed to commit (a lost
+        lease, a store fault, a constraint checked at commit): the writes rolled back with
+        it, so the app's own response would describe work that was not kept."""
+        return problem(
+            503,
+            "not-committed",
+            "Request not committed",
+            "The request ran, but its writes and its stored response did not commit, so "
+            "nothing was kept. Retry with the same key.",
+            headers=[(b"retry-after", str(self.store_retry_after).encode())],
+        )
+
 
 def _guard(
     store: AsyncStore | str | None,
@@ -230,11 +244,6 @@ def _guard(
             f"{type(store).__name__}"
         )
     return AsyncIdempotency(store, http_policy(policy, lease, max_response_bytes))
-
-
-_NOT_COMMITTED = StoreUnavailableError(
-    "the request's writes and its record did not commit; nothing was kept, retry"
-)
 
 
 class _Renewal:
@@ -430,7 +439,7 @@ class _Exchange:
             # limit: stream it, and record that it could not be kept.
             self.streaming = True
             if not more and not await self._settle(self._unkept()):
-                await self._answer(self.mw.problem(_NOT_COMMITTED))
+                await self._answer(self.mw.not_committed())
                 return
             held, self.chunks = b"".join(self.chunks), []
             await self.send(self.start)
@@ -444,7 +453,7 @@ class _Exchange:
             b"".join(self.chunks),
         )
         if not await self._settle(response):
-            await self._answer(self.mw.problem(_NOT_COMMITTED))
+            await self._answer(self.mw.not_committed())
             return
         await self.send(self.start)
         await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
