@@ -1,9 +1,10 @@
 """Shared fixtures: real services, a fresh PostgreSQL schema and Redis key prefix per test,
 every store.
 
-PostgreSQL comes from IDEMPO_TEST_POSTGRES_URL and Redis from IDEMPO_TEST_REDIS_URL (default:
-the machine's servers). Locally a missing server skips its tests; with
-IDEMPO_TEST_REQUIRE_ALL=1 (``make test``, CI) it fails.
+PostgreSQL comes from IDEMPO_TEST_POSTGRES_URL, Redis from IDEMPO_TEST_REDIS_URL and MariaDB
+from IDEMPO_TEST_MYSQL_URL (default: the machine's servers). Redis Cluster is a private
+three-node cluster the session starts on free loopback ports (tests/redis_servers.py). Locally
+a missing server skips its tests; with IDEMPO_TEST_REQUIRE_ALL=1 (``make test``, CI) it fails.
 """
 
 from __future__ import annotations
@@ -11,25 +12,30 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pymysql
 import pytest
 import redis
 
 from helpers import Database
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.stores.mysql import AsyncMySQLStore, MySQLStore, connect_options
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.redis import AsyncRedisStore, RedisStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idempo.testing import FakeClock
+from redis_servers import installed, redis_cluster
 
 POSTGRES_URL = os.environ.get(
     "IDEMPO_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+MYSQL_URL = os.environ.get("IDEMPO_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 REQUIRE_ALL = os.environ.get("IDEMPO_TEST_REQUIRE_ALL") == "1"
 
 
@@ -71,27 +77,96 @@ def redis_url() -> str:
     return REDIS_URL
 
 
-@pytest.fixture
-def redis_prefix(redis_url: str) -> Iterator[str]:
+@contextmanager
+def _fresh_prefix(url: str) -> Iterator[str]:
     """A key prefix no other test uses; only its keys are deleted afterwards."""
     prefix = f"idempo-test-{secrets.token_hex(6)}"
     try:
         yield prefix
     finally:
-        with redis.Redis.from_url(redis_url) as client:
-            keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        cleaner = RedisStore(url, prefix=prefix)  # its client talks to a server or a cluster
+        try:
+            keys = list(cleaner.client.scan_iter(match=f"{prefix}:*", count=1000))
             for start in range(0, len(keys), 500):
-                client.delete(*keys[start : start + 500])
+                cleaner.client.delete(*keys[start : start + 500])
+        finally:
+            cleaner.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix no other test uses; only its keys are deleted afterwards."""
+    with _fresh_prefix(redis_url) as prefix:
+        yield prefix
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private three-node Redis Cluster on free loopback ports, started once per session:
+    its ``redis+cluster://`` URL (fail in CI, skip locally without redis-server)."""
+    problem = installed()
+    if problem:
+        _unavailable(f"cannot start a Redis Cluster: {problem}")
+    with redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster.url
+
+
+@pytest.fixture
+def redis_cluster_prefix(redis_cluster_url: str) -> Iterator[str]:
+    """A key prefix on the cluster no other test uses; its keys are deleted afterwards."""
+    with _fresh_prefix(redis_cluster_url) as prefix:
+        yield prefix
+
+
+@pytest.fixture(
+    params=[pytest.param("redis", id="server"), pytest.param("redis_cluster", id="cluster")]
+)
+def redis_at(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """A Redis URL and a fresh key prefix on it: the machine's server, then the private
+    three-node cluster (where a test's keys spread over three primaries)."""
+    kind = request.param
+    return request.getfixturevalue(f"{kind}_url"), request.getfixturevalue(f"{kind}_prefix")
+
+
+@contextmanager
+def _redis_store(url: str, prefix: str) -> Iterator[RedisStore]:
+    store = RedisStore(url, prefix=prefix)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@asynccontextmanager
+async def _async_redis_store(url: str, prefix: str) -> AsyncIterator[AsyncRedisStore]:
+    store = AsyncRedisStore(url, prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
+def redis_cluster_store(redis_cluster_url: str, redis_cluster_prefix: str) -> Iterator[RedisStore]:
+    """A RedisStore on the private cluster, under the test's own prefix."""
+    with _redis_store(redis_cluster_url, redis_cluster_prefix) as store:
+        yield store
+
+
+@pytest.fixture
+async def async_redis_cluster_store(
+    anyio_backend: str, redis_cluster_url: str, redis_cluster_prefix: str
+) -> AsyncIterator[AsyncRedisStore]:
+    """An AsyncRedisStore on the private cluster, under the test's own prefix."""
+    async with _async_redis_store(redis_cluster_url, redis_cluster_prefix) as store:
+        yield store
 
 
 @pytest.fixture
 def redis_store(redis_url: str, redis_prefix: str) -> Iterator[RedisStore]:
     """A RedisStore whose keys live under the test's own prefix."""
-    store = RedisStore(redis_url, prefix=redis_prefix)
-    try:
+    with _redis_store(redis_url, redis_prefix) as store:
         yield store
-    finally:
-        store.close()
 
 
 @pytest.fixture
@@ -99,11 +174,8 @@ async def async_redis_store(
     anyio_backend: str, redis_url: str, redis_prefix: str
 ) -> AsyncIterator[AsyncRedisStore]:
     """An AsyncRedisStore whose keys live under the test's own prefix."""
-    store = AsyncRedisStore(redis_url, prefix=redis_prefix)
-    try:
+    async with _async_redis_store(redis_url, redis_prefix) as store:
         yield store
-    finally:
-        await store.aclose()
 
 
 @pytest.fixture
@@ -141,11 +213,70 @@ def sqlite_store(tmp_path: Path) -> Iterator[SQLiteStore]:
         store.close()
 
 
+@pytest.fixture(scope="session")
+def mysql_url() -> str:
+    """The MariaDB server's URL, after checking it answers (fail in CI, skip locally)."""
+    try:
+        with pymysql.connect(**connect_options(MYSQL_URL), connect_timeout=3) as conn:
+            conn.ping()
+    except pymysql.err.Error as exc:
+        _unavailable(f"MariaDB at {MYSQL_URL} is unreachable: {exc}")
+    return MYSQL_URL
+
+
+@pytest.fixture
+def mysql_db(mysql_url: str) -> Iterator[str]:
+    """A fresh MariaDB database for one test, dropped afterwards."""
+    name = f"idempo_t_{secrets.token_hex(6)}"
+    with pymysql.connect(**connect_options(mysql_url), autocommit=True) as conn:
+        conn.cursor().execute(f"CREATE DATABASE {name}")
+    try:
+        yield name
+    finally:
+        with pymysql.connect(**connect_options(mysql_url), autocommit=True) as conn:
+            conn.cursor().execute(f"DROP DATABASE {name}")
+
+
+@pytest.fixture
+def mysql_store(mysql_url: str, mysql_db: str) -> Iterator[MySQLStore]:
+    """A migrated MySQLStore whose table lives in the test's own database."""
+    store = MySQLStore(mysql_url, table=f"{mysql_db}.idempo_records", max_size=40)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+async def async_mysql_store(
+    anyio_backend: str, mysql_url: str, mysql_db: str
+) -> AsyncIterator[AsyncMySQLStore]:
+    """A migrated AsyncMySQLStore whose table lives in the test's own database."""
+    store = AsyncMySQLStore(mysql_url, table=f"{mysql_db}.idempo_records", max_size=10)
+    await store.migrate()
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
+def mysql_database(mysql_url: str, mysql_db: str) -> Database:
+    """The test's own MariaDB database with a migrated records table and no business table
+    yet."""
+    database = Database("mysql", mysql_url, mysql_db)
+    database.migrate()
+    return database
+
+
 STORE_KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("sqlite", id="sqlite"),
     pytest.param("pg", marks=pytest.mark.postgres, id="postgres"),  # the pg_store fixture
     pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
+    pytest.param("redis_cluster", marks=pytest.mark.redis, id="redis-cluster"),
 ]
 
 
@@ -226,6 +357,7 @@ def postgres_database(postgres_url: str, pg_schema: str) -> Database:
 DATABASE_KINDS = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+    pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
 ]
 
 

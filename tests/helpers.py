@@ -1,4 +1,4 @@
-"""Plain helpers for the tests that run against a real database (SQLite or PostgreSQL).
+"""Plain helpers for the tests that run against a real database (SQLite, PostgreSQL, MariaDB).
 
 A plain module, not a conftest: test_races pickles a `Database` into spawned processes, which
 import this module by name (pytest puts tests/ on sys.path, and spawn hands sys.path on).
@@ -13,7 +13,9 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import psycopg
+import pymysql
 
+from idempo.stores.mysql import AsyncMySQLStore, MySQLStore, connect_options
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 
@@ -23,13 +25,21 @@ def new_key() -> str:
     return f"k-{uuid.uuid4().hex}"
 
 
+class MySQLConnection(pymysql.connections.Connection):
+    """An app's PyMySQL connection with the ``execute`` shortcut psycopg and sqlite3 have."""
+
+    def execute(self, text: str, params: tuple[Any, ...] = ()) -> None:
+        with self.cursor() as cursor:
+            cursor.execute(text, params)
+
+
 @dataclass(frozen=True)
 class Database:
-    """A SQLite file or a PostgreSQL schema: its records and business tables, and the ways
-    the stores, the app and the test itself reach them."""
+    """A SQLite file, a PostgreSQL schema or a MariaDB database: its records and business
+    tables, and the ways the stores, the app and the test itself reach them."""
 
-    kind: Literal["sqlite", "postgres"]
-    location: str  # the SQLite file, or the PostgreSQL URL
+    kind: Literal["sqlite", "postgres", "mysql"]
+    location: str  # the SQLite file, or the PostgreSQL or MariaDB URL
     schema: str = ""
 
     def table(self, name: str) -> str:
@@ -46,7 +56,7 @@ class Database:
 
     def sql(self, text: str) -> str:
         """``text`` with ``?`` placeholders in this database's style."""
-        return text.replace("?", "%s") if self.kind == "postgres" else text
+        return text if self.kind == "sqlite" else text.replace("?", "%s")
 
     def store(self, *, busy_timeout: timedelta | None = None, pool_size: int = 4) -> Any:
         """A store on the records table; ``busy_timeout`` is SQLite's (None: the store's
@@ -55,6 +65,8 @@ class Database:
             if busy_timeout is None:
                 return SQLiteStore(self.location)
             return SQLiteStore(self.location, busy_timeout=busy_timeout)
+        if self.kind == "mysql":
+            return MySQLStore(self.location, table=self.records_table, max_size=pool_size)
         return PostgresStore(self.location, table=self.records_table, max_size=pool_size)
 
     def async_store(self, *, busy_timeout: timedelta | None = None, pool_size: int = 4) -> Any:
@@ -63,13 +75,18 @@ class Database:
             if busy_timeout is None:
                 return AsyncSQLiteStore(self.location)
             return AsyncSQLiteStore(self.location, busy_timeout=busy_timeout)
+        if self.kind == "mysql":
+            return AsyncMySQLStore(self.location, table=self.records_table, max_size=pool_size)
         return AsyncPostgresStore(self.location, table=self.records_table, max_size=pool_size)
 
     def connect(self, store: Any, *, autocommit: bool = False) -> Any:
         """An app connection: sqlite3 as ``store`` sets it up (always in autocommit mode: the
-        guard begins its own transactions), or psycopg in the ``autocommit`` mode asked for."""
+        guard begins its own transactions), or psycopg or PyMySQL in the ``autocommit`` mode asked
+        for."""
         if self.kind == "sqlite":
             return store.connect()
+        if self.kind == "mysql":
+            return MySQLConnection(**connect_options(self.location), autocommit=autocommit)
         return psycopg.connect(self.location, autocommit=autocommit)
 
     def execute(self, text: str) -> None:
@@ -80,6 +97,9 @@ class Database:
                 conn.execute(text)
             finally:
                 conn.close()
+        elif self.kind == "mysql":
+            with MySQLConnection(**connect_options(self.location), autocommit=True) as my:
+                my.execute(text)
         else:
             with psycopg.connect(self.location, autocommit=True) as pg:
                 pg.execute(text)
@@ -93,6 +113,11 @@ class Database:
                 return [tuple(row) for row in conn.execute(text, params).fetchall()]
             finally:
                 conn.close()
+        if self.kind == "mysql":
+            with pymysql.connect(**connect_options(self.location), autocommit=True) as my:
+                cursor = my.cursor()
+                cursor.execute(self.sql(text), params or None)
+                return [tuple(row) for row in cursor.fetchall()]
         with psycopg.connect(self.location) as pg:
             # No parameters: no placeholders either, so a literal ``%`` stays as it is.
             found = pg.execute(self.sql(text), params or None).fetchall()

@@ -69,6 +69,14 @@ if spec["kind"] == "postgres":
     store = PostgresStore(spec["location"], table=spec["records"], max_size=2)
     conn = psycopg.connect(spec["location"], autocommit=spec["autocommit"])
     backend = conn.info.backend_pid
+elif spec["kind"] == "mysql":
+    sys.path.insert(0, spec["tests"])
+    from helpers import Database
+
+    database = Database("mysql", spec["location"], spec["schema"])
+    store = database.store(pool_size=2)
+    conn = database.connect(store, autocommit=spec["autocommit"])
+    backend = conn.thread_id()
 else:
     store = SQLiteStore(spec["location"])
     conn = store.connect()
@@ -128,11 +136,19 @@ class Setup(Database):
         value = rows[0][0]
         if self.kind == "sqlite":  # integer microseconds since the epoch
             return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=value)
+        if self.kind == "mysql":  # DATETIME(6) in UTC
+            return value.replace(tzinfo=UTC)
         end: datetime = value
         return end
 
     def wait_backend_gone(self, pid: int | None) -> None:
-        """PostgreSQL notices a killed client on its own; wait (bounded) until it has."""
+        """The server notices a killed client on its own (and rolls its transaction back);
+        wait (bounded) until it has."""
+        if self.kind == "mysql" and pid is not None:
+            deadline = time.monotonic() + 10
+            while self.select("SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = ?", (pid,)):
+                assert time.monotonic() < deadline, f"connection {pid} outlived its client"
+                time.sleep(0.01)
         if self.kind != "postgres" or pid is None:
             return
         deadline = time.monotonic() + 10
@@ -158,10 +174,17 @@ class Child:
             "lease": LEASE.total_seconds(),
             "write_first": write_first,
             "autocommit": autocommit or mode == "store",
+            "schema": setup.schema,
+            "tests": str(Path(__file__).parent),
         }
+        self._start(CHILD, spec, log)
+
+    def _start(self, script: str, spec: dict[str, Any], log: Path) -> None:
+        """Run ``script`` with ``spec`` as its argument (the Redis crash tests bring their
+        own script)."""
         self._log = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, json.dumps(spec)],
+            [sys.executable, "-c", script, json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -344,6 +367,22 @@ def take_over_after_expiry(retry: Parent, key: str, lease_end: datetime) -> Any:
         return result
 
 
+def taken_over_once_the_lease_ends(retry: Parent, key: str, lease_end: datetime) -> Any:
+    """A duplicate a moment before ``lease_end`` is told to come back very soon and runs
+    nothing; after it, one takes the key over with token 2, runs once and then replays."""
+    just_before = lease_end - timedelta(milliseconds=1)
+    with pytest.raises(RequestInProgressError) as raised:
+        retry.attempt(key, clock=lambda: just_before)
+    assert 0 < raised.value.retry_after <= 0.01
+    assert retry.executions == 0
+
+    result = take_over_after_expiry(retry, key, lease_end)
+    assert result == {"by": "parent", "token": 2}
+    assert retry.attempt(key) == (True, result)
+    assert retry.executions == 1
+    return result
+
+
 @pytest.mark.parametrize("mode", LEASED_MODES)
 def test_sigkill_in_leased_mode_is_taken_over_after_the_lease(
     setup: Setup, mode: Mode, tmp_path: Path
@@ -366,18 +405,23 @@ def test_sigkill_in_leased_mode_is_taken_over_after_the_lease(
     lease_end = setup.lease_end(key)
 
     with parent(setup, mode) as retry:
-        just_before = lease_end - timedelta(milliseconds=1)
-        with pytest.raises(RequestInProgressError) as raised:
-            retry.attempt(key, clock=lambda: just_before)
-        assert 0 < raised.value.retry_after <= 0.01
-        assert retry.executions == 0
-
-        result = take_over_after_expiry(retry, key, lease_end)
-        assert result == {"by": "parent", "token": 2}
-        assert retry.attempt(key) == (True, result)
-        assert retry.executions == 1
+        taken_over_once_the_lease_ends(retry, key, lease_end)
     assert setup.records() == [("completed", 2)]
     assert setup.rows() == [*child_rows, (2, "parent")]
+
+
+def fenced_on_waking(running: Child, take_over: Callable[[], Any]) -> Any:
+    """Freeze the child mid-work (SIGSTOP), let ``take_over`` take its key (token 2), wake it
+    (SIGCONT): its completion is refused with FencedError. The new holder's result."""
+    running.signal(signal.SIGSTOP)
+    result = take_over()
+    assert result == {"by": "parent", "token": 2}
+    running.signal(signal.SIGCONT)
+    running.go_on()
+    finished = running.message()
+    assert finished["state"] == "fenced", finished
+    assert running.proc.wait(timeout=10) == 0
+    return result
 
 
 @pytest.mark.parametrize("mode", LEASED_MODES)
@@ -394,17 +438,10 @@ def test_paused_holder_is_fenced_after_a_takeover(setup: Setup, mode: Mode, tmp_
     with child(setup, mode, key, tmp_path, write_first=write_first, autocommit=True) as running:
         said = running.message()
         assert (said["state"], said["token"]) == ("mid-work", 1)
-        running.signal(signal.SIGSTOP)
         with parent(setup, mode, busy_timeout=timedelta(seconds=3)) as other:
-            result = take_over_after_expiry(other, key, setup.lease_end(key))
-            assert result == {"by": "parent", "token": 2}
-
-            running.signal(signal.SIGCONT)
-            running.go_on()
-            finished = running.message()
-            assert finished["state"] == "fenced", finished
-            assert running.proc.wait(timeout=10) == 0
-
+            result = fenced_on_waking(
+                running, lambda: take_over_after_expiry(other, key, setup.lease_end(key))
+            )
             assert other.attempt(key) == (True, result)
             assert other.executions == 1
     assert setup.records() == [("completed", 2)]

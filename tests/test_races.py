@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
+import aiomysql
 import anyio
 import anyio.lowlevel
 import psycopg
@@ -27,6 +28,7 @@ import pytest
 from helpers import Database
 from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.stores.mysql import connect_options
 
 pytestmark = pytest.mark.slow
 
@@ -261,8 +263,9 @@ def _thread_race(target: Target) -> Tally:
 
 @pytest.mark.parametrize("mode", SQL_MODES)
 def test_threads_execute_once_per_key(database: Database, mode: Mode) -> None:
-    """32 threads, each on its own sqlite3 or psycopg connection, released together at each
-    of 200 keys of one SQLite file or of PostgreSQL, leave exactly one business row per key."""
+    """32 threads, each on its own sqlite3, psycopg or PyMySQL connection, released together at
+    each of 200 keys of one SQLite file, PostgreSQL or MariaDB, leave exactly one business row
+    per key."""
     _thread_race(Target(database, mode))
 
 
@@ -337,9 +340,9 @@ def _process_race(target: Target) -> Tally:
 
 @pytest.mark.parametrize("mode", SQL_MODES)
 def test_processes_execute_once_per_key(database: Database, mode: Mode) -> None:
-    """4 spawned processes, each with its own store and connection, sharing one SQLite file or
-    PostgreSQL and released together at each of 200 keys, leave exactly one business row per
-    key."""
+    """4 spawned processes, each with its own store and connection, sharing one SQLite file,
+    PostgreSQL or MariaDB and released together at each of 200 keys, leave exactly one business
+    row per key."""
     _process_race(Target(database, mode))
 
 
@@ -459,18 +462,52 @@ async def test_tasks_async_postgres_execute_once_per_key(
                 postgres_database.location, autocommit=mode == "store"
             )
             await stack.enter_async_context(conn)
-            calls.append(_async_pg_call(idem, conn, target.insert, mode, f"task-{index}"))
+
+            async def effect(key: str, nonce: str, conn: Any = conn) -> None:
+                await conn.execute(target.insert, (key, nonce))
+
+            calls.append(_async_call(idem, conn, effect, mode, f"task-{index}"))
         keys = make_keys(f"apg-{mode}")
         outcomes = await race_tasks(calls, keys)
     check_race(target, outcomes, keys, TASKS)
 
 
-def _async_pg_call(
-    idem: AsyncIdempotency, conn: psycopg.AsyncConnection[Any], insert: str, mode: Mode, worker: str
-) -> AsyncCall:
-    async def effect(key: str, nonce: str) -> None:
-        await conn.execute(insert, (key, nonce))
+@pytest.mark.mysql
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", SQL_MODES)
+async def test_tasks_async_mysql_execute_once_per_key(mysql_database: Database, mode: Mode) -> None:
+    """32 tasks, each on its own aiomysql connection, released together at each of 200 keys
+    leave exactly one business row per key in MariaDB."""
+    target = Target(mysql_database, mode)
+    target.prepare()
+    store = mysql_database.async_store(pool_size=4)
+    idem = AsyncIdempotency(store, POLICY)
+    options = connect_options(mysql_database.location)
+    options["db"] = options.pop("database")
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(store.aclose)
+        calls: list[AsyncCall] = []
+        for index in range(TASKS):
+            conn = await aiomysql.connect(**options, autocommit=mode == "store")
+            stack.callback(conn.close)
 
+            async def effect(key: str, nonce: str, conn: Any = conn) -> None:
+                async with conn.cursor() as cursor:
+                    await cursor.execute(target.insert, (key, nonce))
+
+            calls.append(_async_call(idem, conn, effect, mode, f"task-{index}"))
+        keys = make_keys(f"amysql-{mode}")
+        outcomes = await race_tasks(calls, keys)
+    check_race(target, outcomes, keys, TASKS)
+
+
+def _async_call(
+    idem: AsyncIdempotency,
+    conn: Any,
+    effect: Callable[[str, str], Awaitable[None]],
+    mode: Mode,
+    worker: str,
+) -> AsyncCall:
     if mode == "store":
         return lambda key: attempt_async(idem, key, worker, effect)
     guarded_mode: Literal["transactional", "leased"] = mode

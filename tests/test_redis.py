@@ -1,16 +1,13 @@
 """The Redis store beyond the shared contract: races, key layout, URLs and failing closed.
 
-The contract suite (tests/conformance) already runs against Redis, sync and async; here the
-Redis store faces many threads, tasks and spawned processes at once, a server killed mid-use,
-and its own key naming.
+The contract suite (tests/conformance) already runs against Redis, sync and async, on the
+machine's server and on a private three-node cluster; here the Redis store faces many threads,
+tasks and spawned processes at once, on both, and its own key naming. A server killed or frozen
+mid-use: tests/test_redis_faults.py; the cluster's slots: tests/test_redis_cluster.py.
 """
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from idempo import AsyncIdempotency, FencedError, Idempotency, Scope, StoreUnavailableError
+from idempo import AsyncIdempotency, FencedError, Idempotency, Scope
 from idempo._record import Acquired
 from idempo.errors import ConfigurationError
 from idempo.stores import open_async_store, open_store
@@ -65,11 +62,14 @@ class Effects:
 
     def collect(self, keys: list[str]) -> dict[str, list[str]]:
         found: dict[str, list[str]] = defaultdict(list)
-        with redis.Redis.from_url(self.url) as client:
+        reader = RedisStore(self.url, prefix=self.prefix)  # a server's client or a cluster's
+        try:
             for key in keys:
-                nonces = client.lrange(self.key(key), 0, -1)
+                nonces = reader.client.lrange(self.key(key), 0, -1)
                 if nonces:
                     found[key] = [n.decode() for n in nonces]
+        finally:
+            reader.close()
         return found
 
 
@@ -77,9 +77,10 @@ class Effects:
 
 
 @pytest.mark.slow
-def test_threads_redis_store_executes_once_per_key(redis_url: str, redis_prefix: str) -> None:
-    """32 threads released together at each of 200 keys on one RedisStore execute each key
-    exactly once."""
+def test_threads_redis_store_executes_once_per_key(redis_at: tuple[str, str]) -> None:
+    """32 threads released together at each of 200 keys on one RedisStore (a server or a
+    cluster) execute each key exactly once."""
+    redis_url, redis_prefix = redis_at
     store = RedisStore(redis_url, prefix=redis_prefix)
     effects = Effects(redis_url, redis_prefix)
     idem = Idempotency(store, POLICY)
@@ -121,9 +122,10 @@ def _redis_process_main(
 
 
 @pytest.mark.slow
-def test_processes_redis_store_execute_once_per_key(redis_url: str, redis_prefix: str) -> None:
-    """4 spawned processes, each with its own RedisStore, released together at each of 200
-    keys execute each key exactly once."""
+def test_processes_redis_store_execute_once_per_key(redis_at: tuple[str, str]) -> None:
+    """4 spawned processes, each with its own RedisStore on a server or a cluster, released
+    together at each of 200 keys execute each key exactly once."""
+    redis_url, redis_prefix = redis_at
     keys = make_keys("redis-proc")
     outcomes = run_processes(_redis_process_main, (redis_url, redis_prefix), keys)
     effects = Effects(redis_url, redis_prefix).collect(keys)
@@ -136,7 +138,7 @@ async def test_tasks_async_redis_store_executes_once_per_key(
     redis_url: str, redis_prefix: str
 ) -> None:
     """32 tasks released together at each of 200 keys on one AsyncRedisStore execute each key
-    exactly once."""
+    exactly once (on a cluster: tests/test_redis_cluster.py)."""
     store = AsyncRedisStore(redis_url, prefix=redis_prefix)
     idem = AsyncIdempotency(store, POLICY)
     effects = Effects(redis_url, redis_prefix)
@@ -221,89 +223,6 @@ def test_app_owned_clients_are_left_open(redis_url: str, redis_prefix: str) -> N
         RedisStore(client=redis.Redis.from_url(redis_url, decode_responses=True))
     with pytest.raises(ConfigurationError):
         RedisStore()
-
-
-# -- failing closed ------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def _redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
-    """A private redis-server on loopback ``port``, up once it answers; killed on exit."""
-    server = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with redis.Redis(port=port, socket_connect_timeout=0.2) as probe:
-                    probe.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.05)
-        yield server
-    finally:
-        if server.poll() is None:
-            server.kill()
-        server.wait()
-
-
-def test_killed_server_fails_closed_and_service_resumes() -> None:
-    """With the server killed a guarded call raises StoreUnavailableError and runs nothing;
-    once a server is back on the same port, calls execute and replay again."""
-    port = _free_port()
-    runs: list[str] = []
-    url = f"redis://127.0.0.1:{port}/0"
-    prefix = f"failclosed-{uuid.uuid4().hex[:8]}"
-
-    def guarded(idem: Idempotency, key: str) -> Any:
-        with idem.once(key, operation="charge", payload={"key": key}) as call:
-            if not call.replayed:
-                runs.append(key)
-                call.result = {"charged": key}
-        return call.result
-
-    with _redis_server(port) as server:
-        store = RedisStore(url, prefix=prefix, socket_timeout=1, socket_connect_timeout=1)
-        idem = Idempotency(store, POLICY)
-        assert guarded(idem, "before") == {"charged": "before"}
-        server.kill()
-        server.wait()
-
-        with pytest.raises(StoreUnavailableError):
-            guarded(idem, "during")
-        with pytest.raises(StoreUnavailableError):
-            store.get(Scope.of("before", operation="charge"))
-        assert runs == ["before"]
-
-    with _redis_server(port):
-        assert guarded(idem, "during") == {"charged": "during"}
-        assert guarded(idem, "during") == {"charged": "during"}
-        assert runs == ["before", "during"]
-        store.close()
 
 
 def test_repeated_settle_is_idempotent(redis_store: RedisStore) -> None:

@@ -4,9 +4,13 @@
     open_store("sqlite:///relative/path.db")      # or sqlite:////absolute/path.db
     open_store("postgresql://app@db:5432/app")    # needs idempo[postgres]
     open_store("redis://127.0.0.1:6379/0")        # or rediss://; needs idempo[redis]
+    open_store("mysql://app@db:3306/app")          # or mariadb://; needs idempo[mysql]
+    open_store("redis+cluster://10.0.0.1:7000,10.0.0.2:7000/0")   # Redis Cluster, any seeds
 
 A ``table`` query parameter (``...?table=my_records``) names the records table; for Redis a
 ``prefix`` query parameter (``redis://host/0?prefix=payments``) names the key prefix.
+Any URL takes ``cache=N`` (``redis://host/0?cache=10000``): the store behind a local cache of
+up to N settled records (`idempo.stores.cache.CachedStore`); ``cache=0`` means none.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ _SCHEMES["redis"] = (
     "redis",
 )
 _SCHEMES["rediss"] = _SCHEMES["redis"]
+_SCHEMES["mysql"] = (
+    "idempo.stores.mysql:MySQLStore",
+    "idempo.stores.mysql:AsyncMySQLStore",
+    "mysql",
+)
+_SCHEMES["mariadb"] = _SCHEMES["mysql"]
 
 
 def _load(path: str, extra: str | None) -> Any:
@@ -80,6 +90,12 @@ def _parse(url: str, which: int) -> tuple[Any, list[Any], dict[str, Any]]:
     if scheme in ("redis", "rediss"):
         if "prefix" in query:
             options["prefix"] = query.pop("prefix")
+        # The whole scheme: the store tells redis+cluster:// (and refuses other suffixes).
+        rest = urlunsplit(
+            (parts.scheme, parts.netloc, parts.path, urlencode(query), parts.fragment)
+        )
+        return cls, [rest], options
+    if scheme in ("mysql", "mariadb"):
         rest = urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
         return cls, [rest], options
     rest = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode(query), parts.fragment))
@@ -92,11 +108,36 @@ def open_store(url: str, **options: Any) -> Any:
     >>> open_store("memory://")  # doctest: +ELLIPSIS
     <idempo.stores.memory.MemoryStore object at ...>
     """
-    cls, args, url_options = _parse(url, 0)
-    return cls(*args, **{**url_options, **options})
+    return _open(url, 0, options)
 
 
 def open_async_store(url: str, **options: Any) -> Any:
     """An asynchronous store for ``url`` (the same URLs as `open_store`)."""
-    cls, args, url_options = _parse(url, 1)
-    return cls(*args, **{**url_options, **options})
+    return _open(url, 1, options)
+
+
+def _open(url: str, which: int, options: dict[str, Any]) -> Any:
+    url, cache = _cache_size(url)
+    cls, args, url_options = _parse(url, which)
+    store = cls(*args, **{**url_options, **options})
+    if not cache:
+        return store
+    from . import cache as cached  # noqa: PLC0415 - only URLs that ask for it pay the import
+
+    return (cached.AsyncCachedStore if which else cached.CachedStore)(store, max_entries=cache)
+
+
+def _cache_size(url: str) -> tuple[str, int]:
+    """``url`` without its ``cache`` parameter, and the size that asked for (0: no cache).
+
+    Cut from the text, not re-assembled by urllib, which would rewrite ``sqlite:////abs.db``.
+    """
+    base, _, query = url.partition("?")
+    items = query.split("&") if query else []
+    sizes = [item.partition("=")[2] for item in items if item.partition("=")[0] == "cache"]
+    if not sizes:
+        return url, 0
+    if len(sizes) > 1 or not (sizes[0].isascii() and sizes[0].isdigit()):
+        raise ConfigurationError(f"cache= takes one number of records, got {'&'.join(sizes)!r}")
+    kept = "&".join(item for item in items if item.partition("=")[0] != "cache")
+    return (f"{base}?{kept}" if kept else base), int(sizes[0])

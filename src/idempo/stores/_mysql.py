@@ -1,0 +1,226 @@
+"""The MariaDB statements, for the generator protocol of `_sql` (any executor runs them).
+
+The scope's primary key is a binary SHA-256 of ``(principal, operation, key)``: any scope fits
+InnoDB's index limits, and lookups compare 32 bytes. Times are ``DATETIME(6)`` in UTC, exact
+to the microsecond like Python's.
+
+Reservation is one statement, ``INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING``: it creates
+the record, or takes over an expired one, or leaves it alone, under the row lock, and answers
+with the row as it now is. ``RETURNING`` on ``INSERT`` (and ``SET STATEMENT ... FOR``) are
+MariaDB's (10.5+); every other statement here also runs on MySQL 8.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from typing import Any
+
+from .._keys import Scope
+from .._ops import Release, Renew, Reserve, Settle
+from .._record import InProgress, Reservation
+from ..errors import FencedError
+from ._sql import _COLUMNS, SqlDialect, SqlGen, Statement
+
+__all__ = ["ROW_COUNT", "MySQLDialect", "scope_hash"]
+
+# Asked right after a statement whose changed-row count decides something. An executor that
+# already holds the count from the driver may answer it without a round trip.
+ROW_COUNT = "SELECT ROW_COUNT()"
+
+_WHERE_SCOPE = "scope_hash = :scope_hash"
+
+
+def scope_hash(scope: Scope) -> bytes:
+    """The record's primary key: SHA-256 over the length-prefixed parts of the scope."""
+    principal, operation = scope.principal.encode(), scope.operation.encode()
+    packed = b"%d:%s%d:%s%s" % (
+        len(principal),
+        principal,
+        len(operation),
+        operation,
+        scope.key.encode(),
+    )
+    return hashlib.sha256(packed).digest()
+
+
+def lock_wait_seconds(timeout: timedelta) -> int:
+    """``innodb_lock_wait_timeout`` counts whole seconds: round up, keep 0 (MariaDB: no wait)."""
+    seconds = timeout.total_seconds()
+    return 0 if seconds <= 0 else max(1, math.ceil(seconds))
+
+
+class MySQLDialect(SqlDialect):
+    """MariaDB (10.5+): reservation, takeover and the read of what is there in one statement.
+
+    ``lock_wait``: seconds the reservation may wait on another transaction's row lock, sent
+    with the statement itself (``SET STATEMENT``), so the app's own statements keep theirs.
+    None: the session's setting.
+    """
+
+    name = "mysql"
+
+    def __init__(self, table: str, lock_wait: int | None = None) -> None:
+        super().__init__(table)
+        self.lock_wait = lock_wait
+        self._waiting: dict[int | None, MySQLDialect] = {}
+
+    def waiting(self, lock_wait: int | None) -> MySQLDialect:
+        """This dialect with another lock wait (made once per value, then reused)."""
+        clone = self._waiting.get(lock_wait)
+        if clone is None:
+            clone = copy.copy(self)
+            clone.lock_wait = lock_wait
+            clone.__dict__.pop("locking_reserve_sql", None)
+            self._waiting[lock_wait] = clone
+        return clone
+
+    def db_time(self, value: datetime) -> Any:
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def py_time(self, value: Any) -> datetime:
+        result: datetime = value.replace(tzinfo=UTC)
+        return result
+
+    def ddl(self) -> list[str]:
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self.table} ("
+            " scope_hash BINARY(32) NOT NULL,"
+            " principal TEXT NOT NULL, operation TEXT NOT NULL,"
+            " idem_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,"
+            " fingerprint TEXT NOT NULL,"
+            " state ENUM('in_progress', 'completed', 'failed') NOT NULL,"
+            " token BIGINT NOT NULL,"
+            # Who made the last reservation: the statement that wrote it finds its own
+            # random value there, and so knows it holds the key.
+            " attempt BINARY(16) NOT NULL,"
+            " lease_expires_at DATETIME(6) NULL, response LONGBLOB NULL,"
+            " created_at DATETIME(6) NOT NULL, updated_at DATETIME(6) NOT NULL,"
+            " expires_at DATETIME(6) NOT NULL, recovery_point TEXT NULL,"
+            " PRIMARY KEY (scope_hash), KEY idempo_expires_at (expires_at))"
+            # _bin: principals, operations and fingerprints compare and return byte for byte.
+            " ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
+        ]
+
+    def scope_params(self, scope: Scope) -> dict[str, Any]:
+        return {**super().scope_params(scope), "scope_hash": scope_hash(scope)}
+
+    @cached_property
+    def reserve_sql(self) -> str:
+        # Free: retention over, or an expired lease retried with the same request.
+        free = (
+            "(expires_at <= :now OR (state = 'in_progress' AND lease_expires_at <= :now"
+            " AND fingerprint = :fingerprint))"
+        )
+        # MariaDB assigns left to right, so once `attempt` is ours the rest of the row may
+        # already have changed; with SIMULTANEOUS_ASSIGNMENT every term sees the old row and
+        # `free` still holds. Either way this is true exactly when the row is being taken.
+        took = f"(attempt = :attempt OR {free})"
+
+        def take(column: str, value: str) -> str:
+            return f"{column} = IF({took}, {value}, {column})"
+
+        # created_at and recovery_point read the old expires_at, so they come before it.
+        fresh_history = f"{took} AND expires_at <= :now"
+        in_progress = "'in_progress'"
+        return (
+            f"INSERT INTO {self.table} (scope_hash, principal, operation, idem_key,"
+            " fingerprint, state, token, attempt, lease_expires_at, created_at, updated_at,"
+            " expires_at)"
+            " VALUES (:scope_hash, :principal, :operation, :key, :fingerprint, 'in_progress', 1,"
+            " :attempt, :lease_until, :now, :now, :expires_at)"
+            f" ON DUPLICATE KEY UPDATE attempt = IF({free}, :attempt, attempt),"
+            f" created_at = IF({fresh_history}, :now, created_at),"
+            f" recovery_point = IF({fresh_history}, NULL, recovery_point),"
+            f" {take('token', 'token + 1')}, {take('fingerprint', ':fingerprint')},"
+            f" {take('state', in_progress)}, {take('lease_expires_at', ':lease_until')},"
+            f" {take('response', 'NULL')}, {take('updated_at', ':now')},"
+            f" {take('expires_at', ':expires_at')}"
+            f" RETURNING attempt = :attempt, {_COLUMNS}"
+        )
+
+    @cached_property
+    def locking_reserve_sql(self) -> str:
+        if self.lock_wait is None:
+            return self.reserve_sql
+        return f"SET STATEMENT innodb_lock_wait_timeout = {self.lock_wait} FOR {self.reserve_sql}"
+
+    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
+        # A fresh value per statement: a value the row already holds would take it again.
+        params = {**self.reserve_params(op), "attempt": os.urandom(16)}
+        rows = yield Statement(self.locking_reserve_sql, params)
+        # The statement read the row under its lock, so what it found is final; the Python
+        # judge agrees with the SQL one, so None cannot happen short of a clock going back.
+        return self.judge_rows(rows, op.fingerprint, op.now) or InProgress(retry_after=0.0)
+
+    @cached_property
+    def settle_sql(self) -> str:
+        return (
+            f"UPDATE {self.table} SET state = :state, response = :response,"
+            " lease_expires_at = NULL, updated_at = :now,"
+            # Retention is at least ttl after completion (see the other dialects).
+            " expires_at = GREATEST(expires_at, :expires_at)"
+            f" WHERE {_WHERE_SCOPE} AND token = :token AND state = 'in_progress'"
+        )
+
+    def settle(self, op: Settle) -> SqlGen[None]:
+        # The row always changes (its state does), so a count of 0 means a stale token; the
+        # error raised here rolls the caller's transaction back before anything commits.
+        yield from self._fenced(
+            Statement(self.settle_sql, self.settle_params(op), fetch=False),
+            f"cannot settle key {op.scope.key!r}: token {op.token} is stale",
+        )
+
+    def renew(self, op: Renew) -> SqlGen[None]:
+        # Counted as rows matched, not changed: the store's connections set CLIENT_FOUND_ROWS,
+        # and renew runs only there, so renewing twice in one microsecond is not "stale".
+        update = Statement(
+            f"UPDATE {self.table} SET lease_expires_at = :until, updated_at = :now,"
+            " expires_at = GREATEST(expires_at, :until)"
+            f" WHERE {_WHERE_SCOPE} AND token = :token AND state = 'in_progress'",
+            {
+                **self.scope_params(op.scope),
+                "token": op.token,
+                "now": self.db_time(op.now),
+                "until": self.db_time(op.now + op.lease),
+            },
+            fetch=False,
+        )
+        yield from self._fenced(
+            update, f"cannot renew key {op.scope.key!r}: token {op.token} is stale"
+        )
+
+    def _fenced(self, update: Statement, stale: str) -> SqlGen[None]:
+        """Run a fenced UPDATE; no row counted means the token was stale."""
+        yield update
+        rows = yield Statement(ROW_COUNT, {})
+        if not rows or not rows[0][0]:
+            raise FencedError(stale)
+
+    def release(self, op: Release) -> SqlGen[None]:
+        yield Statement(
+            f"DELETE FROM {self.table} WHERE {_WHERE_SCOPE}"
+            " AND token = :token AND state = 'in_progress'",
+            {"scope_hash": scope_hash(op.scope), "token": op.token},
+            fetch=False,
+        )
+
+    @cached_property
+    def select_sql(self) -> str:
+        return f"SELECT {_COLUMNS} FROM {self.table} WHERE {_WHERE_SCOPE}"
+
+    def purge(self, before: datetime, limit: int) -> SqlGen[int]:
+        # Oldest first along the expires_at index; a live lease is never purged.
+        yield Statement(
+            f"DELETE FROM {self.table} WHERE expires_at <= :before"
+            " AND (state <> 'in_progress' OR lease_expires_at <= :before)"
+            " ORDER BY expires_at, scope_hash LIMIT :limit",
+            {"before": self.db_time(before), "limit": int(limit)},
+            fetch=False,
+        )
+        rows = yield Statement(ROW_COUNT, {})
+        return int(rows[0][0]) if rows else 0
