@@ -1,0 +1,444 @@
+"""A local cache tier: settled records kept in this process's memory, in front of any store.
+
+    store = CachedStore(RedisStore("redis://cache:6379/0"), max_entries=10_000)
+    idem = Idempotency(store)        # a hot replay answers from memory: no round trip
+    open_store("redis://cache:6379/0?cache=10000")                 # the same, from a URL
+
+**What is cached.** COMPLETED and FAILED records only, each for at most its own retention:
+a cached record is never served at or after its ``expires_at``, compared with the ``now``
+every verb carries (the caller's clock, as the stores themselves do). Records are learned
+from the store's answers (a replay, or a mismatch against a settled record) and from this
+process's own completions. An in-progress record is never cached, so a duplicate of running
+work always asks the store. A reservation whose scope is cached answers from memory with what
+`judge` says: the same fingerprint replays, another one is a mismatch.
+
+**Why that is safe.** A settled record cannot change in the store before its retention ends:
+every write after settling is fenced, so the answer from memory is the one the store would
+give. The exceptions (a record deleted early behind the cache's back, clocks that disagree
+across processes) are in docs/stores.md.
+
+**On the app's connection** (``bind``), a cached answer touches neither the store nor the
+connection: no transaction is begun and none is ended. There the cache learns only from the
+store's replays, never from the call's own completion: that commit is the app's, and an app
+that runs the guard inside a transaction of its own could still roll it back.
+
+The least recently used record goes first when ``max_entries`` (or ``max_bytes`` of stored
+responses) is reached. One lock guards the records; it is never held across store I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Generator
+from datetime import datetime
+from typing import Any, TypeVar, cast
+
+from .._keys import Scope
+from .._ops import Release, Renew, Reserve, Settle
+from .._record import Acquired, InProgress, Mismatch, Record, Replay, Reservation, Status, judge
+from ..errors import ConfigurationError
+from ._sql import adrive, drive
+from ._units import AsyncUnit, SyncUnit, UnitLogic
+from .base import AsyncStore, AsyncTransactionalStore, Store, TransactionalStore
+
+__all__ = ["AsyncCachedStore", "CachedStore", "LocalCache"]
+
+T = TypeVar("T")
+
+DEFAULT_MAX_ENTRIES = 10_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Discard:
+    """Throw away the work's writes (a bound unit's verb; stores have none)."""
+
+
+StoreOp = Reserve | Settle | Release | Renew | _Discard
+OpGen = Generator[StoreOp, Any, T]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Held:
+    """A reservation this process holds: what its record will be once settled."""
+
+    fingerprint: str
+    created_at: datetime
+    expires_at: datetime
+
+
+class LocalCache:
+    """The records themselves: a thread-safe LRU that never does I/O.
+
+    Attributes:
+        hits: reservations answered from memory.
+        misses: reservations that went to the store.
+    """
+
+    def __init__(
+        self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int | None = None
+    ) -> None:
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ConfigurationError(f"max_entries must be a positive integer, not {max_entries!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ConfigurationError(f"max_bytes must be a positive integer, not {max_bytes!r}")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.hits = 0
+        self.misses = 0
+        self._records: OrderedDict[Scope, Record] = OrderedDict()
+        self._held: OrderedDict[tuple[Scope, int], _Held] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    @property
+    def nbytes(self) -> int:
+        """The stored responses' bytes now held."""
+        with self._lock:
+            return self._bytes
+
+    def scopes(self) -> list[Scope]:
+        """The cached scopes, least recently used first."""
+        with self._lock:
+            return list(self._records)
+
+    def answer(self, scope: Scope, fingerprint: str, now: datetime) -> Replay | Mismatch | None:
+        """What the cached record says to a reservation, or None: ask the store."""
+        with self._lock:
+            record = self._records.get(scope)
+            verdict = judge(record, fingerprint, now) if record is not None else None
+            if verdict is None:
+                if record is not None:  # its retention is over: the store decides what is next
+                    self._drop(scope)
+                self.misses += 1
+                return None
+            self._records.move_to_end(scope)
+            self.hits += 1
+        assert not isinstance(verdict, InProgress), "an in-progress record was cached"
+        return verdict
+
+    def learn(self, record: Record) -> None:
+        """Keep a settled record (an in-progress one is ignored), evicting the least recently
+        used records beyond the bounds."""
+        if record.status is Status.IN_PROGRESS:
+            return
+        size = len(record.response or b"")
+        if self.max_bytes is not None and size > self.max_bytes:
+            return
+        with self._lock:
+            current = self._records.get(record.scope)
+            if current is not None and current.updated_at > record.updated_at:
+                return  # a slower caller brought back an older answer than the one we have
+            if current is not None:
+                self._drop(record.scope)
+            self._records[record.scope] = record
+            self._bytes += size
+            while len(self._records) > self.max_entries or (
+                self.max_bytes is not None and self._bytes > self.max_bytes
+            ):
+                self._drop(next(iter(self._records)))
+
+    def acquired(self, op: Reserve, token: int) -> None:
+        """Note a reservation this process now holds, to learn its record when it settles."""
+        if token != 1:
+            # A takeover: the store may keep the earlier attempt's created_at, which this
+            # process never saw. Its record is learned from the store's first replay instead.
+            return
+        held = _Held(op.fingerprint, op.now, op.now + op.lease + op.ttl)
+        with self._lock:
+            self._held[(op.scope, token)] = held
+            while len(self._held) > self.max_entries:  # holders that never settled
+                self._held.popitem(last=False)
+
+    def renewed(self, op: Renew) -> None:
+        """A renewal may push the record's retention out, as the store does."""
+        with self._lock:
+            held = self._held.get((op.scope, op.token))
+            if held is not None:
+                until = max(held.expires_at, op.now + op.lease)
+                self._held[(op.scope, op.token)] = dataclasses.replace(held, expires_at=until)
+
+    def let_go(self, scope: Scope, token: int) -> _Held | None:
+        """Stop tracking a reservation (it is being settled or released)."""
+        with self._lock:
+            return self._held.pop((scope, token), None)
+
+    def settled(self, op: Settle, held: _Held) -> None:
+        """Learn the record the store now keeps for a reservation this process settled: the
+        same fields the store wrote, by the contract every store passes."""
+        self.learn(
+            Record(
+                scope=op.scope,
+                fingerprint=held.fingerprint,
+                status=op.status,
+                token=op.token,
+                lease_expires_at=None,
+                response=bytes(op.response),
+                created_at=held.created_at,
+                updated_at=op.now,
+                expires_at=max(held.expires_at, op.now + op.ttl),
+            )
+        )
+
+    def forget_expired(self, before: datetime) -> None:
+        """Drop every record whose retention ended by ``before`` (the store purged them)."""
+        with self._lock:
+            for scope in [s for s, r in self._records.items() if r.expires_at <= before]:
+                self._drop(scope)
+
+    def clear(self) -> None:
+        """Forget everything (say, after deleting records from the store by hand)."""
+        with self._lock:
+            self._records.clear()
+            self._held.clear()
+            self._bytes = 0
+
+    def _drop(self, scope: Scope) -> None:
+        record = self._records.pop(scope)
+        self._bytes -= len(record.response or b"")
+
+
+class _Logic:
+    """The verbs in front of a store's own connections, as generators of the store calls
+    they need; the sync and async faces only drive them."""
+
+    def __init__(self, cache: LocalCache) -> None:
+        self.cache = cache
+
+    def reserve(self, op: Reserve) -> OpGen[Reservation]:
+        cached = self.cache.answer(op.scope, op.fingerprint, op.now)
+        if cached is not None:
+            self.answered()
+            return cached
+        reservation: Reservation = yield op
+        self.learn(op, reservation)
+        return reservation
+
+    def answered(self) -> None:
+        """A reservation was answered from memory (a bound unit takes note)."""
+
+    def learn(self, op: Reserve, reservation: Reservation) -> None:
+        match reservation:
+            case Replay(record) | Mismatch(record):
+                self.cache.learn(record)
+            case Acquired(token):
+                self.cache.acquired(op, token)
+
+    def settle(self, op: Settle) -> OpGen[None]:
+        held = self.cache.let_go(op.scope, op.token)
+        yield op
+        if held is not None:  # reached only if the store took it: a refusal raises
+            self.cache.settled(op, held)
+
+    def release(self, op: Release) -> OpGen[None]:
+        self.cache.let_go(op.scope, op.token)
+        yield op
+
+    def renew(self, op: Renew) -> OpGen[None]:
+        yield op
+        self.cache.renewed(op)
+
+    def discard(self) -> OpGen[None]:
+        return
+        yield  # nothing of the work runs on the store's own connections
+
+
+class _BoundLogic(_Logic):
+    """One guarded call on the app's connection: a cached answer touches nothing, and the
+    call's own completion is not learned (its commit is the app's)."""
+
+    def __init__(self, cache: LocalCache) -> None:
+        super().__init__(cache)
+        self._answered = False
+
+    def reserve(self, op: Reserve) -> OpGen[Reservation]:
+        self._answered = False
+        return (yield from super().reserve(op))
+
+    def answered(self) -> None:
+        self._answered = True
+
+    def learn(self, op: Reserve, reservation: Reservation) -> None:
+        if isinstance(reservation, Replay | Mismatch):
+            self.cache.learn(reservation.record)
+
+    def discard(self) -> OpGen[None]:
+        if not self._answered:  # after a cached answer there is no transaction to end
+            yield _Discard()
+
+
+# How each operation calls the wrapped store's (or unit's) verb; the async face awaits the
+# result. A lookup by type: a match statement's class patterns cost more on this hot path.
+_VERBS: dict[type, Callable[[Any, Any], Any]] = {
+    Reserve: lambda target, op: target.reserve(
+        op.scope, op.fingerprint, now=op.now, lease=op.lease, ttl=op.ttl
+    ),
+    Settle: lambda target, op: (target.complete if op.status is Status.COMPLETED else target.fail)(
+        op.scope, op.token, op.response, now=op.now, ttl=op.ttl
+    ),
+    Release: lambda target, op: target.release(op.scope, op.token),
+    Renew: lambda target, op: target.renew(op.scope, op.token, now=op.now, lease=op.lease),
+    _Discard: lambda target, op: target.discard(),
+}
+
+
+def _caller(target: Any) -> Callable[[StoreOp], Any]:
+    def call(op: StoreOp) -> Any:
+        return _VERBS[type(op)](target, op)
+
+    return call
+
+
+def _runner(target: Any) -> Callable[[Generator[Any, Any, Any]], Any]:
+    call = _caller(target)
+    return lambda gen: drive(gen, call)
+
+
+def _async_runner(target: Any) -> Callable[[Generator[Any, Any, Any]], Awaitable[Any]]:
+    call = _caller(target)
+    return lambda gen: adrive(gen, call)
+
+
+def _logic(logic: _Logic) -> UnitLogic:
+    # The unit faces only forward: the operations the logic yields are carried out by this
+    # module's own runners, not by a transaction executor.
+    return cast(UnitLogic, logic)
+
+
+class _Wrapper:
+    """What both faces share: the wrapped store, its cache, and everything else it offers
+    (``migrate``, ``connect``, its client) passed through unchanged."""
+
+    store: Any
+    cache: LocalCache
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            store = self.__dict__["store"]
+        except KeyError:  # not built yet (copying, unpickling): no store to ask
+            raise AttributeError(name) from None
+        return getattr(store, name)
+
+
+class CachedStore(_Wrapper, SyncUnit):
+    """A `Store` that answers hot replays from this process's memory, in front of ``store``.
+
+    ``CachedStore(store)`` can join the app's transaction exactly when ``store`` can.
+
+    Args:
+        store: any synchronous store.
+        max_entries: how many settled records to keep at most.
+        max_bytes: if set, how many bytes of stored responses to keep at most; a larger
+            response is never cached.
+
+    >>> from datetime import UTC, datetime, timedelta
+    >>> from idempo.stores.memory import MemoryStore
+    >>> store = CachedStore(MemoryStore(), max_entries=1000)
+    >>> scope, now, hour = Scope("", "charge", "k1"), datetime.now(UTC), timedelta(hours=1)
+    >>> token = store.reserve(scope, "fp", now=now, lease=hour, ttl=hour).token
+    >>> store.complete(scope, token, b"42", now=now, ttl=hour)
+    >>> store.reserve(scope, "fp", now=now, lease=hour, ttl=hour).record.response, store.cache.hits
+    (b'42', 1)
+
+    .. versionadded:: 0.1
+    """
+
+    def __new__(cls, store: Store, **options: Any) -> CachedStore:
+        # Only a store that can join the app's transaction gets a bind, so capability checks
+        # (isinstance against TransactionalStore) see through the cache.
+        binds = cls is CachedStore and isinstance(store, TransactionalStore)
+        return super().__new__(_CachedTransactionalStore if binds else cls)
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.store = store
+        self.cache = LocalCache(max_entries, max_bytes)
+        super().__init__(_logic(_Logic(self.cache)), _runner(store))
+
+    def get(self, scope: Scope) -> Record | None:
+        """The record as stored (never from the cache)."""
+        record: Record | None = self.store.get(scope)
+        return record
+
+    def purge(self, *, before: datetime, limit: int = 1000) -> int:
+        purged: int = self.store.purge(before=before, limit=limit)
+        self.cache.forget_expired(before)
+        return purged
+
+    def stats(self) -> dict[str, int]:
+        """The store's counts (the cache holds copies, not records of its own)."""
+        stats: dict[str, int] = self.store.stats()
+        return stats
+
+    def close(self) -> None:
+        self.cache.clear()
+        self.store.close()
+
+
+class _CachedTransactionalStore(CachedStore):
+    """A `CachedStore` in front of a store that can join the app's transaction."""
+
+    def bind(self, conn: Any, *, mode: Any = "transactional", **options: Any) -> SyncUnit:
+        """The wrapped store's unit on ``conn``, with cached answers first (see the module)."""
+        unit = self.store.bind(conn, mode=mode, **options)
+        return SyncUnit(_logic(_BoundLogic(self.cache)), _runner(unit))
+
+
+class AsyncCachedStore(_Wrapper, AsyncUnit):
+    """The asynchronous twin of `CachedStore`, in front of an `AsyncStore`.
+
+    .. versionadded:: 0.1
+    """
+
+    def __new__(cls, store: AsyncStore, **options: Any) -> AsyncCachedStore:
+        binds = cls is AsyncCachedStore and isinstance(store, AsyncTransactionalStore)
+        return super().__new__(_AsyncCachedTransactionalStore if binds else cls)
+
+    def __init__(
+        self,
+        store: AsyncStore,
+        *,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.store = store
+        self.cache = LocalCache(max_entries, max_bytes)
+        super().__init__(_logic(_Logic(self.cache)), _async_runner(store))
+
+    async def get(self, scope: Scope) -> Record | None:
+        """The record as stored (never from the cache)."""
+        record: Record | None = await self.store.get(scope)
+        return record
+
+    async def purge(self, *, before: datetime, limit: int = 1000) -> int:
+        purged: int = await self.store.purge(before=before, limit=limit)
+        self.cache.forget_expired(before)
+        return purged
+
+    async def stats(self) -> dict[str, int]:
+        """The store's counts (the cache holds copies, not records of its own)."""
+        stats: dict[str, int] = await self.store.stats()
+        return stats
+
+    async def aclose(self) -> None:
+        self.cache.clear()
+        await self.store.aclose()
+
+
+class _AsyncCachedTransactionalStore(AsyncCachedStore):
+    """An `AsyncCachedStore` in front of a store that can join the app's transaction."""
+
+    def bind(self, conn: Any, *, mode: Any = "transactional", **options: Any) -> AsyncUnit:
+        """The wrapped store's unit on ``conn``, with cached answers first (see the module)."""
+        unit = self.store.bind(conn, mode=mode, **options)
+        return AsyncUnit(_logic(_BoundLogic(self.cache)), _async_runner(unit))
