@@ -44,6 +44,7 @@ not for a hot path on a large keyspace.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import AsyncGenerator, Iterator
@@ -251,6 +252,14 @@ def _page(reply: Any) -> tuple[int, list[Any]]:
     return int(cursor), list(keys)
 
 
+@functools.lru_cache(maxsize=4096)
+def _digest(scope: Scope) -> str:
+    """The scope's part of its key name. Cached: a fresh call names its key twice (reserve,
+    then settle) and a hot replay names the same key again and again."""
+    triple = json.dumps([scope.principal, scope.operation, scope.key])
+    return hashlib.sha256(triple.encode()).hexdigest()
+
+
 class _Keys:
     """Key names, script arguments and replies: everything the two faces share."""
 
@@ -263,8 +272,7 @@ class _Keys:
         self.pattern = escaped + ":{*}"
 
     def key(self, scope: Scope) -> str:
-        triple = json.dumps([scope.principal, scope.operation, scope.key])
-        return f"{self.prefix}:{{{hashlib.sha256(triple.encode()).hexdigest()}}}"
+        return f"{self.prefix}:{{{_digest(scope)}}}"
 
     def reserve_args(
         self, scope: Scope, fingerprint: str, now: datetime, lease: timedelta, ttl: timedelta
