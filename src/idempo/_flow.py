@@ -37,18 +37,19 @@ from .stores.base import AsyncUnit, Unit
 _POLL_SECONDS = 0.05
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as the ops in _ops.py: made on every call, never changed.
+@dataclass(slots=True)
 class Execute:
     token: int
     recovery_point: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Discard:
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sleep:
     seconds: float
 
@@ -56,7 +57,7 @@ class Sleep:
 Op = Reserve | Execute | Settle | Release | Discard | Sleep
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Done:
     """The flow ended: ``record`` is the record to replay, or None once the work ran."""
 
@@ -152,47 +153,40 @@ def _outcome(
     return Settle(scope, token, status, body, policy.clock(), policy.ttl)
 
 
-def perform(unit: Unit, op: Op, policy: Policy) -> Any:
-    """Carry out one operation synchronously."""
-    match op:
-        case Reserve(scope, fingerprint, now, lease, ttl):
-            return unit.reserve(scope, fingerprint, now=now, lease=lease, ttl=ttl)
-        case Settle(scope, token, Status.COMPLETED, response, now, ttl):
-            return unit.complete(scope, token, response, now=now, ttl=ttl)
-        case Settle(scope, token, _, response, now, ttl):
-            return unit.fail(scope, token, response, now=now, ttl=ttl)
-        case Release(scope, token):
-            return unit.release(scope, token)
-        case Discard():
-            return unit.discard()
-        case Sleep(seconds):
-            return (policy.sleep or time.sleep)(seconds)
+def _invoke(unit: Any, op: Op) -> Any:
+    """Carry out one store operation: the verb's result, or an async unit's awaitable.
+
+    Shared by both drivers, and called inline rather than through a coroutine of its own;
+    isinstance tests, not a match on class patterns: this runs several times per call, and
+    either would cost more than the memory store's whole verb.
+    """
+    if isinstance(op, Reserve):
+        return unit.reserve(op.scope, op.fingerprint, now=op.now, lease=op.lease, ttl=op.ttl)
+    if isinstance(op, Settle):
+        verb = unit.complete if op.status == Status.COMPLETED else unit.fail
+        return verb(op.scope, op.token, op.response, now=op.now, ttl=op.ttl)
+    if isinstance(op, Release):
+        return unit.release(op.scope, op.token)
+    if isinstance(op, Discard):
+        return unit.discard()
     raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
 
 
-async def aperform(unit: AsyncUnit, op: Op, policy: Policy) -> Any:
-    """Carry out one operation asynchronously."""
-    match op:
-        case Reserve(scope, fingerprint, now, lease, ttl):
-            return await unit.reserve(scope, fingerprint, now=now, lease=lease, ttl=ttl)
-        case Settle(scope, token, Status.COMPLETED, response, now, ttl):
-            return await unit.complete(scope, token, response, now=now, ttl=ttl)
-        case Settle(scope, token, _, response, now, ttl):
-            return await unit.fail(scope, token, response, now=now, ttl=ttl)
-        case Release(scope, token):
-            return await unit.release(scope, token)
-        case Discard():
-            return await unit.discard()
-        case Sleep(seconds):
-            if policy.sleep is None:
-                return await asyncio.sleep(seconds)
-            # An injected sleep (a test's clock) moves the clock the deadline is read from;
-            # other tasks still get their turn.
-            slept = policy.sleep(seconds)
-            if inspect.isawaitable(slept):
-                return await slept
-            return await asyncio.sleep(0)
-    raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
+def _sleep(op: Sleep, policy: Policy) -> object:
+    return (policy.sleep or time.sleep)(op.seconds)
+
+
+async def _asleep(op: Sleep, policy: Policy) -> None:
+    if policy.sleep is None:
+        await asyncio.sleep(op.seconds)
+        return
+    # An injected sleep (a test's clock) moves the clock the deadline is read from; other
+    # tasks still get their turn.
+    slept = policy.sleep(op.seconds)
+    if inspect.isawaitable(slept):
+        await slept
+        return
+    await asyncio.sleep(0)
 
 
 Flow = Generator[Op, Any, Record | None]
@@ -203,7 +197,7 @@ def pump(flow: Flow, unit: Unit, policy: Policy, op: Op) -> Execute | Done:
     try:
         while not isinstance(op, Execute):
             try:
-                result = perform(unit, op, policy)
+                result = _sleep(op, policy) if isinstance(op, Sleep) else _invoke(unit, op)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
                 op = flow.throw(exc)
             else:
@@ -222,7 +216,11 @@ async def apump(flow: Flow, unit: AsyncUnit, policy: Policy, op: Op) -> Execute 
     try:
         while not isinstance(op, Execute):
             try:
-                result = await aperform(unit, op, policy)
+                if isinstance(op, Sleep):
+                    await _asleep(op, policy)
+                    result = None
+                else:
+                    result = await _invoke(unit, op)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
                 op = flow.throw(exc)
             else:

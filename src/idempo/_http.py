@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import json.encoder
 import math
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ __all__ = [
     "MissingKeyError",
     "RequestTooLargeError",
     "UnkeptResponse",
+    "canonical_parts",
     "canonical_request",
     "check_options",
     "classify_status",
@@ -59,6 +61,7 @@ __all__ = [
     "default_principal",
     "encode_response",
     "header_values",
+    "headers_named",
     "http_policy",
     "parse_key",
     "problem",
@@ -94,8 +97,13 @@ _HOP_BY_HOP = frozenset(
 # A session cookie set for the first caller must not be handed to whoever replays, nor kept
 # in the store at all.
 _PRIVATE = frozenset({b"set-cookie"})
+_NOT_SHAREABLE = _HOP_BY_HOP | _PRIVATE
+_NOT_REPLAYED = _NOT_SHAREABLE | {REPLAYED_HEADER}
 
 _STORED_FORMAT_VERSION = 1
+
+# A string as a JSON literal with ASCII escapes: what json.dumps writes with ensure_ascii.
+_ascii_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
 
 DEFAULT_BODY_LIMIT = 1024 * 1024
 # Room for the status and headers in a stored record, on top of the body limit.
@@ -156,7 +164,26 @@ def http_policy(
 
 def header_values(headers: Iterable[Header], name: bytes) -> list[bytes]:
     """Every value of header ``name`` (lowercase), in order."""
-    return [value for key, value in headers if key.lower() == name]
+    # lower() keeps a name's length: comparing lengths first spares lowering the others.
+    size = len(name)
+    return [value for key, value in headers if len(key) == size and key.lower() == name]
+
+
+def headers_named(headers: Iterable[Header], names: Collection[bytes]) -> dict[bytes, list[bytes]]:
+    """Every value of each header in ``names`` (lowercase), in order, found in one pass.
+
+    >>> headers_named([(b"Content-Length", b"2"), (b"host", b"x")], {b"content-length"})
+    {b'content-length': [b'2']}
+    """
+    found: dict[bytes, list[bytes]] = {}
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered in names:
+            if lowered in found:
+                found[lowered].append(value)
+            else:
+                found[lowered] = [value]
+    return found
 
 
 def parse_key(values: Sequence[bytes]) -> str | None:
@@ -247,9 +274,29 @@ def _canonical_body(body: bytes, content_type: bytes) -> bytes:
     if not body or not _is_json(content_type):
         return body
     try:
-        return canonical_bytes(json.loads(body))
+        return canonical_bytes(_json_loads(body))
     except (ValueError, InvalidPayloadError):
         return body
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_loads(data: bytes) -> Any:
+    """``json.loads(data)``, with less work for the usual document: UTF-8 (json.loads's
+    encoding detection picks it for any document that starts with ``{`` or ``[`` followed by
+    a non-NUL byte) and nothing after it. Anything else takes json.loads itself."""
+    first = data[:1]
+    if first in (b"{", b"[") and data[1:2] != b"\x00":
+        try:
+            text = data.decode("utf-8", "surrogatepass")
+            value, end = _DECODER.raw_decode(text)
+        except ValueError:
+            pass  # json.loads raises its own error below
+        else:
+            if end == len(text):
+                return value
+    return json.loads(data)
 
 
 def canonical_request(
@@ -263,7 +310,7 @@ def canonical_request(
     A JSON document naming each part (sorted keys, ASCII escapes: one spelling per request),
     so no two requests' parts can run together. Only the body needs RFC 8785, which the
     document holds as the SHA-256 of the body's canonical form; the envelope is plain strings
-    and goes through the C encoder. ``headers`` names the request headers that count too
+    (json.dumps's bytes). ``headers`` names the request headers that count too
     (case-insensitive; all their values, in order).
 
     >>> json_type = [(b"content-type", b"application/json")]
@@ -272,26 +319,50 @@ def canonical_request(
     >>> canonical_request(a) == canonical_request(b)
     True
     """
-    parts: dict[str, Any] = {"v": 1}
-    if "method" in fields:
-        parts["method"] = request.method.upper()
-    if "path" in fields:
-        parts["path"] = request.path
-    if "query" in fields:
-        parts["query"] = request.query.decode("latin-1")
+    return canonical_parts(
+        request.method, request.path, request.query, request.headers, request.body, fields, headers
+    )
+
+
+def canonical_parts(
+    method: str,
+    path: str,
+    query: bytes,
+    request_headers: Sequence[Header],
+    request_body: bytes,
+    fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
+    headers: Collection[str] = (),
+) -> bytes:
+    """`canonical_request` of a request given in parts, for adapters that would otherwise
+    build an `HttpRequest` on every request only to take it apart here."""
+    parts: dict[str, Any] = {}
+    # Filled in sort_keys order: body, headers, method, path, query, v.
     if "body" in fields:
-        content_type = b", ".join(header_values(request.headers, b"content-type"))
-        body = _canonical_body(request.body, content_type)
+        content_type = b", ".join(header_values(request_headers, b"content-type"))
+        body = _canonical_body(request_body, content_type)
         parts["body"] = hashlib.sha256(body).hexdigest()
     if headers:
         parts["headers"] = {
             name.lower(): [
                 value.decode("latin-1")
-                for value in header_values(request.headers, name.lower().encode("latin-1"))
+                for value in header_values(request_headers, name.lower().encode("latin-1"))
             ]
             for name in headers
         }
-    return json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    if "method" in fields:
+        parts["method"] = method.upper()
+    if "path" in fields:
+        parts["path"] = path
+    if "query" in fields:
+        parts["query"] = query.decode("latin-1")
+    if headers:
+        parts["v"] = 1
+        return json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    # Only strings and the version: the document json.dumps would write (keys in sorted
+    # order, each string escaped by the same function), without building an encoder.
+    members = [f'"{name}":{_ascii_string(value)}' for name, value in parts.items()]
+    members.append('"v":1')
+    return ("{" + ",".join(members) + "}").encode()
 
 
 def request_fingerprint(
@@ -318,14 +389,9 @@ class HttpResponse:
     def shareable(self) -> HttpResponse:
         """This response without hop-by-hop fields and ``Set-Cookie``: what may be stored and
         replayed to a later request."""
-        named = {
-            token.strip().lower()
-            for name, value in self.headers
-            if name.lower() == b"connection"
-            for token in value.split(b",")
-        }
-        dropped = _HOP_BY_HOP | _PRIVATE | named
-        kept = tuple((name, value) for name, value in self.headers if name.lower() not in dropped)
+        kept = _kept(self.headers, _NOT_SHAREABLE)
+        if len(kept) == len(self.headers):
+            return self  # immutable: nothing to drop, nothing to copy
         return HttpResponse(self.status, kept, self.body)
 
     def replay(self, *, status_200: bool = False) -> HttpResponse:
@@ -334,10 +400,24 @@ class HttpResponse:
         Args:
             status_200: answer 200 instead of a stored 2xx status (the body stays the same).
         """
-        shared = self.shareable()
-        headers = tuple(item for item in shared.headers if item[0].lower() != REPLAYED_HEADER)
-        status = 200 if status_200 and 200 <= shared.status < 300 else shared.status
-        return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), shared.body)
+        headers = _kept(self.headers, _NOT_REPLAYED)
+        status = 200 if status_200 and 200 <= self.status < 300 else self.status
+        return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), self.body)
+
+
+def _kept(headers: tuple[Header, ...], dropped: frozenset[bytes]) -> tuple[Header, ...]:
+    """``headers`` without the fields named in ``dropped`` or in a ``Connection`` field."""
+    names = [name.lower() for name, _ in headers]
+    if b"connection" in names:
+        dropped = dropped | {
+            token.strip().lower()
+            for name, (_, value) in zip(names, headers, strict=True)
+            if name == b"connection"
+            for token in value.split(b",")
+        }
+    elif dropped.isdisjoint(names):
+        return headers  # the usual case: nothing to drop
+    return tuple(item for name, item in zip(names, headers, strict=True) if name not in dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,28 +435,28 @@ def encode_response(response: HttpResponse) -> bytes:
     Header bytes travel as Latin-1 text, which maps every byte to one character and back,
     so a replay is byte-identical; the body follows the newline untouched.
     """
-    head = {
-        "v": _STORED_FORMAT_VERSION,
-        "status": response.status,
-        "headers": [
-            [name.decode("latin-1"), value.decode("latin-1")] for name, value in response.headers
-        ],
-    }
-    # ensure_ascii keeps the line free of raw newlines whatever the headers hold.
-    return (
-        json.dumps(head, separators=(",", ":"), ensure_ascii=True).encode() + b"\n" + response.body
+    # Written out rather than through json.dumps (which builds an encoder per call): the
+    # same bytes, as the format's test checks. ASCII escapes keep the line free of raw
+    # newlines whatever the headers hold.
+    headers = ",".join(
+        [
+            f"[{_ascii_string(name.decode('latin-1'))},{_ascii_string(value.decode('latin-1'))}]"
+            for name, value in response.headers
+        ]
     )
+    head = f'{{"v":{_STORED_FORMAT_VERSION},"status":{int(response.status)},"headers":[{headers}]}}'
+    return head.encode() + b"\n" + response.body
 
 
 def decode_response(data: bytes) -> HttpResponse:
     """The response `encode_response` stored."""
     head_line, newline, body = data.partition(b"\n")
     try:
-        head = json.loads(head_line)
+        head = _json_loads(head_line)
         if not newline or head.get("v") != _STORED_FORMAT_VERSION:
             raise ValueError(f"stored response format {head.get('v')!r}")
         headers = tuple(
-            (name.encode("latin-1"), value.encode("latin-1")) for name, value in head["headers"]
+            [(name.encode("latin-1"), value.encode("latin-1")) for name, value in head["headers"]]
         )
         return HttpResponse(int(head["status"]), headers, body)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

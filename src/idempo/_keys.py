@@ -102,4 +102,4 @@ class Scope:
     @classmethod
     def of(cls, key: str, *, operation: str, principal: str = "") -> Scope:
         """Build a scope, validating the key."""
-        return cls(principal=principal, operation=operation, key=validate_key(key))
+        return cls(principal, operation, validate_key(key))

@@ -1,6 +1,8 @@
 """The operations on a record, as values: what the flow asks for and the stores carry out.
 
 Passing one value instead of five arguments keeps every layer's signatures short and alike.
+They are made and read on every guarded call and never changed, so they are plain slotted
+dataclasses: a frozen one spends about a microsecond more per instance on its setattr guard.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from ._keys import Scope
 from ._record import Status
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reserve:
     """Take the key, or learn what holds it."""
 
@@ -23,7 +25,7 @@ class Reserve:
     ttl: timedelta
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Settle:
     """Store the outcome: COMPLETED or FAILED, fenced on ``token``."""
 
@@ -35,7 +37,7 @@ class Settle:
     ttl: timedelta
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release:
     """Give the key up so a retry executes again; fenced on ``token``."""
 
@@ -43,7 +45,7 @@ class Release:
     token: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Renew:
     """Extend the lease to ``now + lease``; fenced on ``token``."""
 

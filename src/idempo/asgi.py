@@ -14,7 +14,6 @@ not a second implementation of the contract. docs/http.md has the full table of 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
@@ -28,19 +27,19 @@ from ._http import (
     Classifier,
     FingerprintField,
     HttpCodec,
-    HttpRequest,
     HttpResponse,
     UnkeptResponse,
-    canonical_request,
+    canonical_parts,
     check_options,
     classify_status,
     default_principal,
-    header_values,
+    headers_named,
     http_policy,
     parse_key,
     problem,
     problem_for,
 )
+from ._renewal import Renewal as _Renewal
 from .errors import (
     ConfigurationError,
     IdempotencyError,
@@ -75,6 +74,8 @@ CONNECTION_SCOPE_KEY = "idempo.connection"
 _UNCAPTURABLE = frozenset(
     {"http.response.pathsend", "http.response.zerocopysend", "http.response.trailers"}
 )
+# The request headers the middleware reads itself, found in one pass over the request's.
+_READ_HEADERS = frozenset({KEY_HEADER, b"content-length", b"authorization"})
 
 
 class IdempotencyMiddleware:
@@ -175,6 +176,7 @@ class IdempotencyMiddleware:
         self.replay_status_200 = replay_status_200
         self.fail_open = fail_open
         self.codec = HttpCodec(classify)
+        self.templates = _RouteTemplates()
         self.max_retry_after = max_retry_after
         self.store_retry_after = store_retry_after
         self.renew_every = self.idempotency.policy.lease.total_seconds() / 3
@@ -246,50 +248,6 @@ def _guard(
     return AsyncIdempotency(store, http_policy(policy, lease, max_response_bytes))
 
 
-class _Renewal:
-    """Extends an attempt's lease every ``every`` seconds until stopped.
-
-    A handler slower than its lease would otherwise be taken over by a duplicate and run
-    twice. Renewal stops with the handler, so a crashed process's key still frees when its
-    last lease ends. Most handlers finish long before the first renewal is due, so a timer
-    waits for it, and a task is only made when one is.
-    """
-
-    def __init__(self, attempt: AsyncAttempt, every: float) -> None:
-        self._attempt = attempt
-        self._every = every
-        self._stopped = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(self._every, self._due)
-
-    def _due(self) -> None:
-        if not self._stopped:
-            self._task = asyncio.get_running_loop().create_task(self._renew())
-
-    async def _renew(self) -> None:
-        try:
-            await self._attempt.renew()
-        except Exception as exc:  # noqa: BLE001 - a lost lease or a store fault ends renewal, never the request
-            logger.warning(
-                "idempo: stopped renewing the lease of key %r: %s", self._attempt.scope.key, exc
-            )
-            return
-        if not self._stopped:
-            self.start()
-
-    async def stop(self) -> None:
-        """Stop renewing; waits for a renewal in flight rather than cancelling it mid-query."""
-        self._stopped = True
-        if self._timer is not None:
-            self._timer.cancel()
-        task, self._task = self._task, None
-        if task is not None:
-            await task
-
-
 async def _open(
     stack: AsyncExitStack, connection: Callable[[], AbstractAsyncContextManager[Any]]
 ) -> Any:
@@ -311,6 +269,7 @@ class _Exchange:
         self.receive = receive
         self.send = send
         self.headers: list[Any] = list(scope.get("headers") or [])
+        self.named = headers_named(self.headers, _READ_HEADERS)
         # Set once the work runs:
         self.once: Any = None
         self.conn: Any = None
@@ -325,7 +284,7 @@ class _Exchange:
     async def run(self) -> None:
         mw = self.mw
         try:
-            key = parse_key(header_values(self.headers, KEY_HEADER))
+            key = parse_key(self.named.get(KEY_HEADER, []))
         except IdempotencyError as exc:
             await self._answer(mw.problem(exc))
             return
@@ -341,25 +300,31 @@ class _Exchange:
             return
         if body is None:
             return  # the client went away before sending its whole body
+        if mw.connection is None:
+            await self._guarded(key, body, None)
+            return
         # The app's connection, when it carries the record, lives exactly as long as the
         # guarded call: opened after the cheap refusals, closed after the outcome commits.
         async with AsyncExitStack() as connection:
-            attempt = await self._reserve(key, body, connection)
-            if attempt is None:
-                return
-            if attempt.replayed:
-                await self.once.__aexit__(None, None, None)
-                await self._answer(attempt.result.replay(status_200=mw.replay_status_200))
-                return
-            await self._execute(attempt, body)
+            await self._guarded(key, body, connection)
+
+    async def _guarded(self, key: str, body: bytes, connection: AsyncExitStack | None) -> None:
+        attempt = await self._reserve(key, body, connection)
+        if attempt is None:
+            return
+        if attempt.replayed:
+            await self.once.__aexit__(None, None, None)
+            await self._answer(attempt.result.replay(status_200=self.mw.replay_status_200))
+            return
+        await self._execute(attempt, body)
 
     async def _reserve(
-        self, key: str, body: bytes, connection: AsyncExitStack
+        self, key: str, body: bytes, connection: AsyncExitStack | None
     ) -> AsyncAttempt | None:
         """The attempt to run or replay, or None once the request has been answered."""
         mw = self.mw
         try:
-            if mw.connection is not None:
+            if connection is not None and mw.connection is not None:
                 self.conn = await _open(connection, mw.connection)
             self.once = mw.idempotency.once(
                 key,
@@ -389,7 +354,7 @@ class _Exchange:
 
     async def _execute(self, attempt: AsyncAttempt, body: bytes) -> None:
         self.attempt = attempt
-        self.renewal = _Renewal(attempt, self.mw.renew_every)
+        self.renewal = _Renewal(attempt, self.mw.renew_every, logger)
         self.renewal.start()
         try:
             await self.mw.app(self._app_scope(), self._receive_body(body), self._capture)
@@ -449,7 +414,7 @@ class _Exchange:
             return
         response = HttpResponse(
             int(self.start["status"]),
-            tuple((bytes(name), bytes(value)) for name, value in self.start.get("headers", [])),
+            tuple([(bytes(name), bytes(value)) for name, value in self.start.get("headers", [])]),
             b"".join(self.chunks),
         )
         if not await self._settle(response):
@@ -502,7 +467,7 @@ class _Exchange:
 
     async def _read_body(self) -> bytes | None:
         limit = self.mw.max_request_bytes
-        declared = header_values(self.headers, b"content-length")
+        declared = self.named.get(b"content-length")
         if declared and declared[0].strip().isdigit() and int(declared[0]) > limit:
             raise RequestTooLargeError(limit)
         chunks: list[bytes] = []
@@ -550,25 +515,25 @@ class _Exchange:
         if chosen is not None:
             return chosen
         method = self.scope["method"]
-        template = route_template(self.scope.get("app", self.mw.app), self.scope)
+        template = self.mw.templates.find(self.scope.get("app", self.mw.app), self.scope)
         return f"{method} {template if template is not None else self.scope['path']}"
 
     def _principal(self) -> str:
         chosen = self.mw.principal(self.scope) if self.mw.principal else None
         if chosen is not None:
             return chosen
-        return default_principal(header_values(self.headers, b"authorization"))
+        return default_principal(self.named.get(b"authorization", []))
 
     def _payload(self, body: bytes) -> bytes:
-        request = HttpRequest(
-            method=self.scope["method"],
-            path=self.scope["path"],
-            query=bytes(self.scope.get("query_string", b"")),
-            headers=self.headers,
-            body=body,
-        )
-        return canonical_request(
-            request, fields=self.mw.fingerprint_fields, headers=self.mw.fingerprint_headers
+        scope = self.scope
+        return canonical_parts(
+            scope["method"],
+            scope["path"],
+            bytes(scope.get("query_string", b"")),
+            self.headers,
+            body,
+            self.mw.fingerprint_fields,
+            self.mw.fingerprint_headers,
         )
 
     async def _answer(self, response: HttpResponse) -> None:
@@ -595,12 +560,96 @@ def route_template(app: Any, scope: ASGIScope) -> str | None:
     routed = scope.get("path_template")
     if isinstance(routed, str) and routed:
         return routed
-    routes = getattr(app, "routes", None)
-    if routes is None:
-        routes = getattr(getattr(app, "router", None), "routes", None)
+    routes = _routes(app)
     if not routes:
         return None
     return _match(routes, dict(scope), "")
+
+
+def _routes(app: Any) -> Any:
+    routes = getattr(app, "routes", None)
+    if routes is None:
+        routes = getattr(getattr(app, "router", None), "routes", None)
+    return routes
+
+
+# The matches() of route classes that read nothing of the scope but its type, method, path
+# and root path: Starlette's and FastAPI's own (not Host, which reads the Host header).
+_PATH_MATCHERS = frozenset(
+    {
+        "starlette.routing.Route.matches",
+        "starlette.routing.Mount.matches",
+        "starlette.routing.WebSocketRoute.matches",
+        "fastapi.routing.APIRoute.matches",
+        "fastapi.routing.APIWebSocketRoute.matches",
+    }
+)
+
+
+def _decided_by_path(routes: Any) -> bool:
+    """True if the method, path and root path alone decide which of ``routes`` a request
+    matches: then `route_template` may be remembered per (method, root path, path). Walks
+    the routes as `_try` does."""
+    for route in routes:
+        contexts = getattr(route, "effective_route_contexts", None)
+        if callable(contexts):
+            rewritten = [getattr(context, "starlette_route", None) for context in contexts()]
+            # Contexts without a rewritten route are matched on their path regex and methods.
+            if not _decided_by_path([found for found in rewritten if found is not None]):
+                return False
+            continue
+        matches = getattr(type(route), "matches", None)
+        name = f"{getattr(matches, '__module__', '')}.{getattr(matches, '__qualname__', '')}"
+        if name not in _PATH_MATCHERS:
+            return False
+        inner = getattr(route, "routes", None) if hasattr(route, "routes") else None
+        if inner and not _decided_by_path(inner):
+            return False
+    return True
+
+
+class _RouteTemplates:
+    """`route_template`, remembered per (method, root path, path) for an app whose routes
+    are matched on those alone (`_decided_by_path`): matching walks every route before the
+    one that matches, on every request.
+
+    A different app, routes list or number of routes starts afresh, so routes added at run
+    time are seen (inside a mount they are not: a template there is as the first request to
+    the path found it). At most `LIMIT` paths are kept; then the memory starts again.
+    """
+
+    LIMIT = 1024
+
+    def __init__(self) -> None:
+        # One tuple, replaced whole: concurrent requests never see half of a reset.
+        self._state: tuple[Any, Any, int, dict[tuple[str, str, str], str | None] | None] = (
+            None,
+            None,
+            0,
+            None,
+        )
+
+    def find(self, app: Any, scope: ASGIScope) -> str | None:
+        """`route_template` of ``app`` for ``scope``."""
+        routes = _routes(app)
+        if not routes or "path_template" in scope:
+            return route_template(app, scope)
+        known_app, known_routes, count, known = self._state
+        if app is not known_app or routes is not known_routes or len(routes) != count:
+            known = {} if _decided_by_path(routes) else None
+            self._state = (app, routes, len(routes), known)
+        if known is None:
+            return route_template(app, scope)
+        where = (scope["method"], scope.get("root_path", ""), scope["path"])
+        try:
+            return known[where]
+        except KeyError:
+            pass
+        template = route_template(app, scope)
+        if len(known) >= self.LIMIT:
+            known.clear()
+        known[where] = template
+        return template
 
 
 # Starlette's Match enum, by name: FULL (path and method), PARTIAL (path only: the app will

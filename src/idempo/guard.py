@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import operator
 import typing
 from collections.abc import Callable
 from types import TracebackType
@@ -127,6 +128,7 @@ class _Call:
         self.flow: Flow = guarded_call(scope, fingerprint(payload), policy, self.codec)
         self.attempt_class = attempt_class
         self.attempt: Attempt | None = None
+        self.token = 0
 
     def replayed(self, record: Record) -> Attempt:
         self.attempt = self.attempt_class(
@@ -141,10 +143,14 @@ class _Call:
             token=execute.token,
             recovery_point=execute.recovery_point,
         )
-        token, scope, policy, unit = execute.token, self.scope, self.policy, self.unit
-        attempt._renew = lambda: unit.renew(scope, token, now=policy.clock(), lease=policy.lease)
+        self.token = execute.token
+        attempt._renew = self._renew
         self.attempt = attempt
         return attempt
+
+    def _renew(self) -> Any:
+        policy = self.policy
+        return self.unit.renew(self.scope, self.token, now=policy.clock(), lease=policy.lease)
 
     def started(self, step: Execute | Done) -> Attempt:
         """The attempt a block works with: executing, or replaying the record the flow found."""
@@ -222,11 +228,23 @@ class _AsyncOnce:
         raise AssertionError("the flow asked to execute twice")
 
 
+def _forward(verb: str) -> Any:
+    return property(operator.attrgetter(f"_store.{verb}"))
+
+
 class _Leased:
     """A store used directly: none of the work runs on it, so there is nothing to discard."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
+
+    # The verbs are forwarded by name: __getattr__ alone would fail a lookup first, which
+    # costs more than the memory store's verb itself.
+    reserve = _forward("reserve")
+    complete = _forward("complete")
+    fail = _forward("fail")
+    release = _forward("release")
+    renew = _forward("renew")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

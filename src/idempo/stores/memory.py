@@ -5,7 +5,6 @@ Safe under threads and asyncio tasks; nothing survives the process.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from datetime import datetime, timedelta
 
@@ -14,6 +13,71 @@ from .._record import Acquired, Record, Reservation, Status, judge
 from ..errors import FencedError
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
+
+
+class _Entry:
+    """A record as the store keeps it: changed in place under the store's lock.
+
+    The frozen `Record` handed out (to a replay, `get`) is made only when asked for and kept
+    until the next change: building a frozen record costs more than the rest of a verb, and
+    most records are never read back.
+    """
+
+    __slots__ = (
+        "_record",
+        "created_at",
+        "expires_at",
+        "fingerprint",
+        "lease_expires_at",
+        "recovery_point",
+        "response",
+        "scope",
+        "status",
+        "token",
+        "updated_at",
+    )
+
+    def __init__(
+        self,
+        scope: Scope,
+        fingerprint: str,
+        token: int,
+        lease_expires_at: datetime,
+        created_at: datetime,
+        now: datetime,
+        expires_at: datetime,
+        recovery_point: str | None,
+    ) -> None:
+        self.scope = scope
+        self.fingerprint = fingerprint
+        self.status = Status.IN_PROGRESS
+        self.token = token
+        self.lease_expires_at: datetime | None = lease_expires_at
+        self.response: bytes | None = None
+        self.created_at = created_at
+        self.updated_at = now
+        self.expires_at = expires_at
+        self.recovery_point = recovery_point
+        self._record: Record | None = None
+
+    def record(self) -> Record:
+        if self._record is None:
+            self._record = Record(
+                self.scope,
+                self.fingerprint,
+                self.status,
+                self.token,
+                self.lease_expires_at,
+                self.response,
+                self.created_at,
+                self.updated_at,
+                self.expires_at,
+                self.recovery_point,
+            )
+        return self._record
+
+    def lease_over(self, before: datetime) -> bool:
+        return self.lease_expires_at is None or self.lease_expires_at <= before
 
 
 class MemoryStore:
@@ -28,39 +92,39 @@ class MemoryStore:
     """
 
     def __init__(self) -> None:
-        self._records: dict[Scope, Record] = {}
+        self._entries: dict[Scope, _Entry] = {}
         self._lock = threading.Lock()
 
     def reserve(
         self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
     ) -> Reservation:
         with self._lock:
-            current = self._records.get(scope)
+            current = self._entries.get(scope)
             if current is not None:
-                verdict = judge(current, fingerprint, now)
+                verdict = judge(current.record(), fingerprint, now)
                 if verdict is not None:
                     return verdict
             token = 1 if current is None else current.token + 1
             keeps_history = current is not None and current.expires_at > now
-            self._records[scope] = Record(
-                scope=scope,
-                fingerprint=fingerprint,
-                status=Status.IN_PROGRESS,
-                token=token,
-                lease_expires_at=now + lease,
-                response=None,
-                created_at=current.created_at if current and keeps_history else now,
-                updated_at=now,
-                expires_at=now + lease + ttl,
-                recovery_point=current.recovery_point if current and keeps_history else None,
+            recovery_point = current.recovery_point if current and keeps_history else None
+            until = now + lease
+            self._entries[scope] = _Entry(
+                scope,
+                fingerprint,
+                token,
+                until,
+                current.created_at if current and keeps_history else now,
+                now,
+                until + ttl,
+                recovery_point,
             )
-            return Acquired(token=token, recovery_point=self._records[scope].recovery_point)
+            return Acquired(token, recovery_point)
 
-    def _held(self, scope: Scope, token: int) -> Record:
-        record = self._records.get(scope)
-        if record is None or record.token != token or record.status is not Status.IN_PROGRESS:
+    def _held(self, scope: Scope, token: int) -> _Entry:
+        entry = self._entries.get(scope)
+        if entry is None or entry.token != token or entry.status is not Status.IN_PROGRESS:
             raise FencedError(f"key {scope.key!r}: token {token} is stale")
-        return record
+        return entry
 
     def _settle(
         self,
@@ -72,15 +136,13 @@ class MemoryStore:
         ttl: timedelta,
     ) -> None:
         with self._lock:
-            record = self._held(scope, token)
-            self._records[scope] = dataclasses.replace(
-                record,
-                status=status,
-                response=bytes(response),
-                lease_expires_at=None,
-                updated_at=now,
-                expires_at=max(record.expires_at, now + ttl),
-            )
+            entry = self._held(scope, token)
+            entry.status = status
+            entry.response = bytes(response)
+            entry.lease_expires_at = None
+            entry.updated_at = now
+            entry.expires_at = max(entry.expires_at, now + ttl)
+            entry._record = None
 
     def complete(
         self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
@@ -94,51 +156,46 @@ class MemoryStore:
 
     def release(self, scope: Scope, token: int) -> None:
         with self._lock:
-            record = self._records.get(scope)
-            if record and record.token == token and record.status is Status.IN_PROGRESS:
-                del self._records[scope]
+            entry = self._entries.get(scope)
+            if entry and entry.token == token and entry.status is Status.IN_PROGRESS:
+                del self._entries[scope]
 
     def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None:
         with self._lock:
-            record = self._held(scope, token)
+            entry = self._held(scope, token)
             until = now + lease
-            self._records[scope] = dataclasses.replace(
-                record,
-                lease_expires_at=until,
-                updated_at=now,
-                expires_at=max(record.expires_at, until),
-            )
+            entry.lease_expires_at = until
+            entry.updated_at = now
+            entry.expires_at = max(entry.expires_at, until)
+            entry._record = None
 
     def get(self, scope: Scope) -> Record | None:
         with self._lock:
-            return self._records.get(scope)
+            entry = self._entries.get(scope)
+            return None if entry is None else entry.record()
 
     def purge(self, *, before: datetime, limit: int = 1000) -> int:
         with self._lock:
             doomed = [
                 scope
-                for scope, record in self._records.items()
-                if record.expires_at <= before
-                and (record.status is not Status.IN_PROGRESS or _lease_over(record, before))
+                for scope, entry in self._entries.items()
+                if entry.expires_at <= before
+                and (entry.status is not Status.IN_PROGRESS or entry.lease_over(before))
             ][:limit]
             for scope in doomed:
-                del self._records[scope]
+                del self._entries[scope]
             return len(doomed)
 
     def stats(self) -> dict[str, int]:
         """How many records are in each state."""
         with self._lock:
             counts: dict[str, int] = {}
-            for record in self._records.values():
-                counts[record.status.value] = counts.get(record.status.value, 0) + 1
+            for entry in self._entries.values():
+                counts[entry.status.value] = counts.get(entry.status.value, 0) + 1
             return counts
 
     def close(self) -> None:
         pass
-
-
-def _lease_over(record: Record, before: datetime) -> bool:
-    return record.lease_expires_at is None or record.lease_expires_at <= before
 
 
 class AsyncMemoryStore:

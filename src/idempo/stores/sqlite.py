@@ -118,6 +118,10 @@ class SQLiteStore(SqlStore):
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        # This process's writers queue here, not in SQLite's busy handler: that one sleeps
+        # 1, 2, 5, 10... ms between tries, which under concurrent requests is most of a
+        # write's time. Other processes' writers are still waited for by busy_timeout.
+        self._writer = threading.RLock()
 
     def connect(self) -> sqlite3.Connection:
         """A new connection to the store's file, set up as idempo expects (WAL, busy timeout)."""
@@ -140,7 +144,12 @@ class SQLiteStore(SqlStore):
         return conn
 
     def run(self, gen: TxGen[T]) -> T:
-        return self._transaction(gen, "BEGIN IMMEDIATE")
+        if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
+            raise StoreUnavailableError("SQLite stayed locked by this process's other writers")
+        try:
+            return self._transaction(gen, "BEGIN IMMEDIATE")
+        finally:
+            self._writer.release()
 
     def read(self, gen: TxGen[T]) -> T:
         # A deferred transaction only reads a snapshot: it never waits behind a writer.
