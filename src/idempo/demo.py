@@ -15,6 +15,7 @@ no intent was charged twice.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import tempfile
 import threading
@@ -186,12 +187,14 @@ def _caller(
 ) -> None:
     """One client: sends its intent (retrying inside the transport) and notes the answer."""
     if first and intent.flaky:
-        # A transient failure before any charge: the key is released, a retry runs it.
-        once.post(
-            "/payments",
-            json=intent.body(),
-            headers={**intent.headers(), "X-Demo-Fail": "transient"},
-        )
+        # A transient failure before any charge: the key is released, a retry runs it. The
+        # crash may cut this request off too: a dropped connection is as transient.
+        with contextlib.suppress(httpx.TransportError):
+            once.post(
+                "/payments",
+                json=intent.body(),
+                headers={**intent.headers(), "X-Demo-Fail": "transient"},
+            )
     try:
         response = client.post("/payments", json=intent.body(), headers=intent.headers())
     except httpx.TransportError:
