@@ -20,6 +20,7 @@ from ._record import Record, Status
 from .errors import (
     ConfigurationError,
     ConflictError,
+    CorruptRecordError,
     FencedError,
     FingerprintMismatchError,
     IdempotencyError,
@@ -30,6 +31,7 @@ from .errors import (
     RequestInProgressError,
     RequestTooLargeError,
     ResponseTooLargeError,
+    SchemaMissingError,
     StoreError,
     StoreUnavailableError,
 )
@@ -48,6 +50,7 @@ __all__ = [
     "Codec",
     "ConfigurationError",
     "ConflictError",
+    "CorruptRecordError",
     "FencedError",
     "FingerprintMismatchError",
     "Idempotency",
@@ -62,6 +65,7 @@ __all__ = [
     "RequestInProgressError",
     "RequestTooLargeError",
     "ResponseTooLargeError",
+    "SchemaMissingError",
     "Scope",
     "Serializer",
     "Status",

@@ -106,6 +106,8 @@ def _is_plain(value: Any) -> bool:
 
 
 _PLAIN_SCALARS = frozenset({str, bool, type(None)})
+# A tuple, not a union: isinstance checks a tuple several times faster.
+_BINARY = (bytes, bytearray, memoryview)
 
 
 def _rfc8785(value: Any) -> bytes:
@@ -126,7 +128,7 @@ def canonical_bytes(payload: Any) -> bytes:
     same JSON give the same bytes however they were built. Dataclasses and pydantic models
     count as their fields.
     """
-    if isinstance(payload, bytes | bytearray | memoryview):
+    if isinstance(payload, _BINARY):
         return bytes(payload)
     if _is_plain(payload):
         try:

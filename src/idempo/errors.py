@@ -3,7 +3,9 @@
     IdempotencyError                       root
     ├── ConfigurationError                 bad URL, missing extra, store lacks a capability
     ├── StoreError                         the store failed; the driver's error is __cause__
-    │   └── StoreUnavailableError          cannot reach the store (connection, timeout): retry later
+    │   ├── StoreUnavailableError          cannot reach the store (connection, timeout): retry later
+    │   ├── SchemaMissingError             the records table is not there: run `idempo migrate`
+    │   └── CorruptRecordError             a stored record cannot be decoded: evict it
     ├── InvalidKeyError (400)              key empty, too long or not printable ASCII
     │   └── MissingKeyError (400)          a key is required and the request has none
     ├── RequestTooLargeError (413)         a request body over the limit for guarded requests
@@ -23,6 +25,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigurationError",
     "ConflictError",
+    "CorruptRecordError",
     "FencedError",
     "FingerprintMismatchError",
     "IdempotencyError",
@@ -33,6 +36,7 @@ __all__ = [
     "RequestInProgressError",
     "RequestTooLargeError",
     "ResponseTooLargeError",
+    "SchemaMissingError",
     "StoreError",
     "StoreUnavailableError",
 ]
@@ -56,6 +60,21 @@ class StoreError(IdempotencyError):
 
 class StoreUnavailableError(StoreError):
     """The store could not be reached. Nothing was executed; retrying later is safe."""
+
+
+class SchemaMissingError(StoreError):
+    """The store answers but its records table (or token sequence) does not exist.
+
+    Nothing was executed. Create the schema with ``idempo migrate URL`` (or ``store.migrate()``).
+    """
+
+
+class CorruptRecordError(StoreError):
+    """A stored record exists but cannot be decoded (written by something else, or damaged).
+
+    Nothing was executed and nothing is replayed. Every retry gets this error until the record
+    is evicted: ``idempo evict URL KEY --operation OP --principal P`` or ``store.evict(scope)``.
+    """
 
 
 class InvalidKeyError(IdempotencyError):

@@ -2,6 +2,18 @@
 
 Every verb that changes a record after reservation is fenced on the token the reservation
 returned: a holder whose lease was taken over cannot complete, fail, renew or release.
+
+``now`` is the time a decision is made at. None (the default policy) means the store's own
+clock where it has one (PostgreSQL, MariaDB, Redis), else the host's: a caller whose clock is
+wrong cannot take over a live lease. A datetime is a clock the app injected (tests,
+simulations) and overrides the store's.
+
+Tokens only grow per scope, even across the deletion of the record (purge, expiry, eviction,
+`evict`): a fresh record never gets a token an earlier holder of the same scope had.
+
+Settling twice with the same token, status and response succeeds without a change (a retried
+command whose reply was lost); any other settle by a token that no longer holds the lease
+raises `FencedError`.
 """
 
 from __future__ import annotations
@@ -36,19 +48,25 @@ class Store(Protocol):
     """**Protocol:** a synchronous store of idempotency records."""
 
     def reserve(
-        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+        self,
+        scope: Scope,
+        fingerprint: str,
+        *,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
     ) -> Reservation:
         """Atomically create the record, take over an expired lease, or report what is there."""
         ...
 
     def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None:
         """Store the response as COMPLETED. Raises `FencedError` if ``token`` is stale."""
         ...
 
     def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None:
         """Store the response as FAILED (replayed). Raises `FencedError` if ``token`` is stale."""
         ...
@@ -57,7 +75,7 @@ class Store(Protocol):
         """Delete the reservation so a retry executes again. A stale token is a no-op."""
         ...
 
-    def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None:
+    def renew(self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta) -> None:
         """Extend the lease to ``now + lease``. Raises `FencedError` if ``token`` is stale."""
         ...
 
@@ -65,8 +83,15 @@ class Store(Protocol):
         """The record as stored, expired or not."""
         ...
 
-    def purge(self, *, before: datetime, limit: int = 1000) -> int:
-        """Delete up to ``limit`` records whose retention ended by ``before``."""
+    def evict(self, scope: Scope) -> bool:
+        """Delete the record whatever its state (operators, corrupt records). True if it was
+        there. Later tokens still grow past the evicted record's."""
+        ...
+
+    def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
+        """Delete up to ``limit`` records whose retention ended by ``before`` (None: the
+        store's clock). Never a record inside its retention or under a live lease, however
+        it races with takeovers and completions."""
         ...
 
     def stats(self) -> dict[str, int]:
@@ -83,24 +108,34 @@ class AsyncStore(Protocol):
     """**Protocol:** the asynchronous twin of `Store`: same verbs, awaited, plus ``aclose``."""
 
     async def reserve(
-        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+        self,
+        scope: Scope,
+        fingerprint: str,
+        *,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
     ) -> Reservation: ...
 
     async def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None: ...
 
     async def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None: ...
 
     async def release(self, scope: Scope, token: int) -> None: ...
 
-    async def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None: ...
+    async def renew(
+        self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
+    ) -> None: ...
 
     async def get(self, scope: Scope) -> Record | None: ...
 
-    async def purge(self, *, before: datetime, limit: int = 1000) -> int: ...
+    async def evict(self, scope: Scope) -> bool: ...
+
+    async def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int: ...
 
     async def stats(self) -> dict[str, int]: ...
 
@@ -115,20 +150,28 @@ class Unit(Protocol):
     """
 
     def reserve(
-        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+        self,
+        scope: Scope,
+        fingerprint: str,
+        *,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
     ) -> Reservation: ...
 
     def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None: ...
 
     def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None: ...
 
     def release(self, scope: Scope, token: int) -> None: ...
 
-    def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None: ...
+    def renew(
+        self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
+    ) -> None: ...
 
     def discard(self) -> None: ...
 
@@ -137,20 +180,28 @@ class AsyncUnit(Protocol):
     """**Protocol:** the asynchronous twin of `Unit`."""
 
     async def reserve(
-        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+        self,
+        scope: Scope,
+        fingerprint: str,
+        *,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
     ) -> Reservation: ...
 
     async def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None: ...
 
     async def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None: ...
 
     async def release(self, scope: Scope, token: int) -> None: ...
 
-    async def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None: ...
+    async def renew(
+        self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
+    ) -> None: ...
 
     async def discard(self) -> None: ...
 
