@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import socket
 import threading
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import uvicorn
@@ -800,9 +802,10 @@ def test_principals_are_isolated(serve: Serve, backend: Backend, stores: Stores)
 
 
 def test_principal_and_operation_resolvers(serve: Serve, stores: Stores) -> None:
-    """The app can name the principal and operation from the scope; None means the default."""
+    """The app can name the principal and operation from the scope; a None operation means
+    the default, a "" principal anonymous (a None principal is refused: test_principals)."""
     client = serve(
-        principal=lambda scope: dict(scope["headers"]).get(b"x-user", b"").decode() or None,
+        principal=lambda scope: dict(scope["headers"]).get(b"x-user", b"").decode(),
         operation=lambda scope: "charge" if scope["path"].startswith("/payments") else None,
     )
     key = new_key()
@@ -1129,3 +1132,104 @@ def test_concurrent_duplicates_on_a_real_server(stores: Stores, backend: Backend
         assert response.status_code == 201
         assert replayed(response)
         assert response.content == executed[0].content
+
+
+# --- a client that disconnects while the endpoint runs (SPEC §8) --------------------------
+
+
+class CancelOnDisconnect:
+    """Outer middleware that cancels the app (an anyio cancel scope) when its client goes
+    away, as servers and apps that stop work for a gone client do."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        inbox, outbox = anyio.create_memory_object_stream[dict[str, Any]](64)
+        async with inbox, outbox, anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                while True:
+                    message = await receive()
+                    await inbox.send(message)
+                    if message["type"] == "http.disconnect":
+                        group.cancel_scope.cancel()
+                        return
+
+            async def run() -> None:
+                await self.app(scope, outbox.receive, send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            group.start_soon(run)
+
+
+def _watched(store: Any, verb: str) -> threading.Event:
+    """An event set once ``store.verb`` has returned or raised: the test waits on it."""
+    done = threading.Event()
+    original = getattr(store, verb)
+
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            done.set()
+
+    setattr(store, verb, watched)
+    return done
+
+
+def _disconnect_during(base_url: str, backend: Backend, key: str) -> None:
+    """POST /slow with ``key`` on a raw socket and close it once the handler runs."""
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps(PAYMENT).encode()
+    request = (
+        f"POST /slow HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(request)
+        assert backend.started.wait(GATE_SECONDS), "the handler never started"
+
+
+def test_a_client_disconnect_that_cancels_the_handler_releases_the_key(
+    stores: Stores, backend: Backend
+) -> None:
+    """On a real uvicorn, a client that goes away while the endpoint runs, under an app
+    that cancels work for gone clients: the key is released (not left in progress for a
+    lease), so the retry runs at once."""
+    store = stores.make_async()
+    released = _watched(store, "release")
+    app = CancelOnDisconnect(build_app("starlette", backend, shutdown=[store.aclose], store=store))
+    key = new_key()
+    with running_server(app) as base_url:
+        _disconnect_during(base_url, backend, key)
+        assert released.wait(GATE_SECONDS), "the cancelled request never released its key"
+        assert stores.sync.get(Scope("", "POST /slow", key)) is None
+        backend.gate.set()
+        retry = httpx.post(f"{base_url}/slow", json=PAYMENT, headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert not replayed(retry)
+    assert backend.calls["slow"] == 2
+
+
+def test_a_client_disconnect_the_handler_ignores_completes_the_key(
+    stores: Stores, backend: Backend
+) -> None:
+    """uvicorn does not cancel an app whose client went away: the handler finishes, its
+    response is stored, and the retry replays it instead of running the work again."""
+    store = stores.make_async()
+    completed = _watched(store, "complete")
+    app = build_app("starlette", backend, shutdown=[store.aclose], store=store)
+    key = new_key()
+    with running_server(app) as base_url:
+        _disconnect_during(base_url, backend, key)
+        backend.gate.set()
+        assert completed.wait(GATE_SECONDS), "the finished request never stored its response"
+        retry = httpx.post(f"{base_url}/slow", json=PAYMENT, headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert replayed(retry)
+    assert backend.calls["slow"] == 1

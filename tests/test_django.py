@@ -8,29 +8,11 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import django
 import pytest
-from django.conf import settings
 
-if not settings.configured:
-    settings.configure(
-        DEBUG=False,
-        SECRET_KEY="test-only",
-        ALLOWED_HOSTS=["testserver"],
-        ROOT_URLCONF=__name__,
-        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "rest_framework"],
-        MIDDLEWARE=["idempo.contrib.django.IdempotencyMiddleware"],
-        DATABASES={},
-        USE_TZ=True,
-        IDEMPO={"STORE": "memory://"},
-        REST_FRAMEWORK={
-            "DEFAULT_AUTHENTICATION_CLASSES": [],
-            "DEFAULT_PERMISSION_CLASSES": [],
-            "UNAUTHENTICATED_USER": None,
-        },
-    )
-    django.setup()
+import django_setup  # noqa: F401 - configures Django before its modules are imported
 
+# isort: split
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.test import Client, override_settings
 from django.urls import path
@@ -90,6 +72,13 @@ urlpatterns = [
     path("stream/<int:parts>", stream),
     path("api/charges/<int:pk>", Charges.as_view()),
 ]
+
+
+@pytest.fixture(autouse=True)
+def urls() -> Iterator[None]:
+    """This module's URLs (the settings are shared with other Django test modules)."""
+    with override_settings(ROOT_URLCONF=__name__):
+        yield
 
 
 @pytest.fixture(params=["memory", "sqlite"])

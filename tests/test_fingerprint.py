@@ -322,3 +322,75 @@ def test_fast_canonical_form_is_byte_identical_to_rfc8785(value: Any) -> None:
     import rfc8785
 
     assert canonical_bytes(value) == rfc8785.dumps(value)
+
+
+# -- the general path (any depth) agrees with the reference canonicaliser -------------------
+
+general_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-SAFE_INT, max_value=SAFE_INT)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.characters(codec="utf-8"), max_size=12),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.tuples(children, children)
+        | st.dictionaries(
+            st.text(alphabet=st.characters(codec="utf-8"), max_size=6), children, max_size=4
+        )
+    ),
+    max_leaves=20,
+)
+
+
+@bounded
+@given(general_json)
+def test_general_canonical_form_is_byte_identical_to_rfc8785(value: Any) -> None:
+    """The walker that serves floats and deep documents writes exactly what the recursive
+    reference canonicaliser does (floats, astral keys, tuples as arrays), and so does
+    canonical_bytes on whatever path it takes."""
+    import rfc8785
+
+    from idempo._fingerprint import _canonical
+
+    assert _canonical(value) == rfc8785.dumps(value)
+    assert canonical_bytes(value) == rfc8785.dumps(value)
+
+
+@pytest.mark.parametrize("depth", [10, 500, 5_000, 50_000])
+def test_any_depth_is_canonicalised(depth: int) -> None:
+    """Nesting far deeper than Python's recursion limit is canonicalised, not refused with a
+    RecursionError (defect #9), to the bytes the recursive reference writes where it can."""
+    value: Any = 1.5
+    opening: list[bytes] = []
+    for level in range(depth):
+        value = {"a": value} if level % 2 else [value]
+        opening.append(b'{"a":' if level % 2 else b"[")
+    closing = [b"}" if level % 2 else b"]" for level in range(depth)]
+    expected = b"".join(reversed(opening)) + b"1.5" + b"".join(closing)
+    assert canonical_bytes(value) == expected
+    if depth <= 300:  # the recursive reference's own reach
+        import rfc8785
+
+        assert expected == rfc8785.dumps(value)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param("cycle", id="a list that contains itself"),
+        pytest.param({1: "x"}, id="a non-string key"),
+        pytest.param({"\ud800": 1}, id="a lone surrogate key"),
+        pytest.param(["\udc00"], id="a lone surrogate string"),
+        pytest.param(float("inf"), id="infinity"),
+        pytest.param({"n": 10**5000}, id="an integer over 4300 digits"),
+        pytest.param([object()], id="an object"),
+    ],
+)
+def test_payloads_without_a_json_form_are_invalid_payload_errors(payload: Any) -> None:
+    """Each is InvalidPayloadError, never RecursionError, TypeError or UnicodeEncodeError."""
+    if payload == "cycle":
+        payload = []
+        payload.append({"again": payload})
+    with pytest.raises(InvalidPayloadError):
+        canonical_bytes(payload)

@@ -14,10 +14,13 @@ from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
 from idempo import (
+    ConfigurationError,
+    CorruptRecordError,
     FingerprintMismatchError,
     IdempotencyError,
     InvalidKeyError,
     MissingKeyError,
+    PrincipalRequiredError,
     Record,
     RequestInProgressError,
     RequestTooLargeError,
@@ -26,9 +29,11 @@ from idempo import (
     StoreUnavailableError,
 )
 from idempo._http import (
+    NO_RESOLVER,
     HttpCodec,
     HttpRequest,
     HttpResponse,
+    Principals,
     UnkeptResponse,
     canonical_request,
     classify_status,
@@ -38,6 +43,7 @@ from idempo._http import (
     parse_key,
     problem_for,
     request_fingerprint,
+    user_principal,
 )
 from idempo.asgi import route_template
 
@@ -156,11 +162,39 @@ def test_stored_format_round_trips_bytes_exactly() -> None:
     assert decode_response(data) == response
 
 
-@pytest.mark.parametrize("data", [b"", b"not json\nbody", b'{"v":2,"status":200,"headers":[]}\n'])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"not json\nbody",
+        b'{"v":2,"status":200,"headers":[]}\n',
+        b'{"v":1,"status":"x","headers":[]}\n',
+        b'{"v":1,"status":99,"headers":[]}\n',
+        b'{"v":1,"status":200,"headers":[[1,2]]}\n',
+        b'{"v":1,"status":200,"headers":[["\xe9","x"]]}\n',
+        b'{"v":1,"status":200,"headers":' + b"[" * 5000 + b"]" * 5000 + b"}\n",
+        b"\x00\xff\n",
+        b"[]\n",
+    ],
+)
 def test_unreadable_stored_responses_raise(data: bytes) -> None:
-    """A record in an unknown format is an IdempotencyError, never a garbled replay."""
-    with pytest.raises(IdempotencyError, match="cannot be read"):
+    """A record in an unknown format is CorruptRecordError, never a garbled replay nor
+    another exception."""
+    with pytest.raises(CorruptRecordError, match="cannot be read"):
         decode_response(data)
+
+
+def test_codec_says_how_to_evict_an_unreadable_record() -> None:
+    """The codec's error names the record's scope in the evict command."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    record = Record(
+        Scope("user:7", "POST /pay", "k 1"), "fp", Status.COMPLETED, 1, None, b"junk", now, now, now
+    )
+    with pytest.raises(CorruptRecordError) as raised:
+        HttpCodec().decode(record)
+    assert "idempo evict STORE-URL 'k 1' --operation 'POST /pay' --principal user:7" in str(
+        raised.value
+    )
 
 
 def test_shareable_drops_hop_by_hop_connection_named_and_cookies() -> None:
@@ -230,7 +264,7 @@ def test_codec_stores_replays_and_releases() -> None:
     assert decode_response(data).status == 500
     assert codec.encode_result(UnkeptResponse(502, 5000, 1000)) == (None, b"")
     assert decode_response(codec.encode_unstorable(ValueError("x"))).status == 500
-    with pytest.raises(IdempotencyError):
+    with pytest.raises(CorruptRecordError):
         codec.decode(_record(None))
 
 
@@ -245,6 +279,8 @@ def test_codec_stores_replays_and_releases() -> None:
         (RequestInProgressError("k", 2.1), 409, "request-in-progress", b"3"),
         (RequestInProgressError("k", 30.0), 409, "request-in-progress", b"5"),
         (StoreUnavailableError("down"), 503, "store-unavailable", b"5"),
+        (CorruptRecordError("junk"), 503, "corrupt-record", b"5"),
+        (PrincipalRequiredError("who?"), 401, "principal-required", None),
     ],
 )
 def test_problem_for_each_refusal(
@@ -261,6 +297,57 @@ def test_problem_for_each_refusal(
     assert body["type"] == f"urn:idempo:problem:{kind}"
     assert body["status"] == status
     assert headers.get(b"retry-after") == retry_after
+
+
+# --- principals ---------------------------------------------------------------------------
+
+
+class _User:
+    def __init__(self, authenticated: bool = True, **ids: Any) -> None:
+        self.is_authenticated = authenticated
+        self.__dict__.update(ids)
+
+
+@pytest.mark.parametrize(
+    ("user", "principal"),
+    [
+        (None, None),
+        (_User(authenticated=False, pk=1), None),
+        (_User(pk=42), "user:42"),
+        (_User(id="u-1", username="alice"), "user:u-1"),
+        (_User(username="alice", email="a@x"), "user:alice"),
+        ({"sub": "s-1"}, "user:s-1"),
+        ("alice", "user:alice"),
+        (7, "user:7"),
+    ],
+)
+def test_user_principal_finds_the_users_own_id(user: Any, principal: str | None) -> None:
+    """The framework's user becomes ``user:<its id>``; an anonymous user is no principal."""
+    assert user_principal(user) == principal
+
+
+def test_user_principal_refuses_an_authenticated_user_without_an_id() -> None:
+    """Never a principal shared by every user of a class: a clear error naming principal=."""
+    with pytest.raises(ConfigurationError, match="principal="):
+        user_principal(_User(display_name="Alice"))
+
+
+def test_principals_follow_spec_section_1() -> None:
+    """Resolver first ("" anonymous, None refused unless allowed), then the framework's
+    user, then Authorization, then anonymous."""
+    rule = Principals(allow_anonymous=False, owner="test")
+    nobody = lambda: None  # noqa: E731
+    assert rule.resolve("tenant-1", nobody, [b"Bearer x"], False) == "tenant-1"
+    assert rule.resolve("", nobody, [b"Bearer x"], False) == ""
+    with pytest.raises(PrincipalRequiredError):
+        rule.resolve(None, lambda: _User(pk=1), [b"Bearer x"], False)
+    assert rule.resolve(NO_RESOLVER, lambda: _User(pk=1), [b"Bearer x"], True) == "user:1"
+    hashed = rule.resolve(NO_RESOLVER, nobody, [b"Bearer x"], True)
+    assert hashed == default_principal([b"Bearer x"])
+    assert rule.resolve(NO_RESOLVER, nobody, [], True) == ""
+    allowing = Principals(allow_anonymous=True, owner="test")
+    assert allowing.resolve(None, lambda: _User(pk=2), [], False) == "user:2"
+    assert allowing.resolve(None, nobody, [], True) == ""
 
 
 # --- route templates ----------------------------------------------------------------------

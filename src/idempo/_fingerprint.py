@@ -19,47 +19,12 @@ _SAFE_INTEGER = 2**53 - 1
 _BIG_INTEGER_KEY = "\u0000idempo:integer"
 
 
-def _plain(value: Any) -> Any:
-    """JSON-ready data: dataclasses and pydantic models as their fields, big integers exact."""
-    if isinstance(value, bool) or value is None or isinstance(value, str | float):
-        return value
-    if isinstance(value, int):
-        return value if -_SAFE_INTEGER <= value <= _SAFE_INTEGER else {_BIG_INTEGER_KEY: str(value)}
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain(dataclasses.asdict(value))
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        return _plain(dump(mode="json"))
-    return value
-
-
-def _without_floats(value: Any) -> bool:
-    """True if the C JSON encoder writes exactly RFC 8785's bytes for ``value``.
-
-    It does for strings, integers (within the safe range, which `_plain` ensures), booleans
-    and null, and it sorts keys as RFC 8785 does (by UTF-16 code unit) unless a key holds a
-    character beyond the Basic Multilingual Plane. Floats are where the two differ.
-    """
-    if isinstance(value, dict):
-        return all(
-            isinstance(key, str) and max(key, default="\0") < "\U00010000" and _without_floats(item)
-            for key, item in value.items()
-        )
-    if isinstance(value, list):
-        return all(_without_floats(item) for item in value)
-    return value is None or isinstance(value, str | int)
-
-
 def _sorted_compact_encoder() -> Callable[[Any], str]:
     """``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``,
     made once: json.dumps builds a JSONEncoder, and that its C encoder, on every call.
 
-    Without circular-reference markers: the values given are walked by `_is_plain` or
-    `_plain` first, which a cycle would already have stopped.
+    Without circular-reference markers: the values given are walked by `_is_plain` first,
+    which a cycle would already have stopped.
     """
     encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     try:
@@ -83,9 +48,10 @@ _encode_sorted = _sorted_compact_encoder()
 
 
 def _is_plain(value: Any) -> bool:
-    """True if ``value`` is already what `_plain` would make of it and `_without_floats`
-    holds: exact JSON types, safe integers, BMP-only string keys, no floats. Parsed JSON
-    usually is, and then needs neither walk."""
+    """True if the C JSON encoder writes exactly RFC 8785's bytes for ``value``: exact JSON
+    types, safe integers, no floats (where the two differ), and string keys within the Basic
+    Multilingual Plane (beyond it, sorting by code point and by UTF-16 code unit differ).
+    Parsed JSON usually is. Recursive: a deep value raises RecursionError."""
     kind = type(value)
     if kind in _PLAIN_SCALARS:
         return True
@@ -108,17 +74,134 @@ def _is_plain(value: Any) -> bool:
 _PLAIN_SCALARS = frozenset({str, bool, type(None)})
 # A tuple, not a union: isinstance checks a tuple several times faster.
 _BINARY = (bytes, bytearray, memoryview)
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+# RFC 8785's string form: json.dumps's with ensure_ascii off escapes exactly the same
+# characters (quote, backslash, controls; \u00XX in lower case), and nothing else.
+_encode_string: Callable[[str], str] = json.encoder.encode_basestring
 
 
-def _rfc8785(value: Any) -> bytes:
-    if _without_floats(value):
-        # The pure-Python canonicaliser costs tens of microseconds per request; this path
-        # gives the same bytes (tests/test_fingerprint.py checks it against rfc8785).
-        try:
-            return _encode_sorted(value).encode()
-        except UnicodeEncodeError:
-            pass  # a lone surrogate: let rfc8785 refuse it with its own error
-    return rfc8785.dumps(value)
+class _Text(str):
+    """Output already written out (a bracket, a comma, a key): not a value to encode."""
+
+    __slots__ = ()
+
+
+_COMMA, _COLON = _Text(","), _Text(":")
+
+
+class _Close(_Text):
+    """The end of a container, which leaves the path of containers being written."""
+
+    __slots__ = ("container",)
+    container: int
+
+
+def _close(text: str, container: int) -> _Close:
+    mark = _Close(text)
+    mark.container = container
+    return mark
+
+
+def _members(value: Any) -> dict[Any, Any] | list[Any] | None:
+    """The members of a JSON object or array ``value`` stands for, or None for a scalar.
+
+    Dataclasses count as their fields, one level at a time (``dataclasses.asdict`` would
+    recurse), and pydantic models as their JSON-mode dump.
+    """
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, list | tuple):
+        return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        dumped = dump(mode="json")
+        return _members(dumped) if isinstance(dumped, dict | list) else [dumped]
+    return None
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int):
+        value = int(value)  # an IntEnum is its number
+        if -_SAFE_INTEGER <= value <= _SAFE_INTEGER:
+            return str(value)
+        # str() refuses past 4,300 digits (ValueError): such a payload cannot be fingerprinted.
+        return "{" + _encode_string(_BIG_INTEGER_KEY) + ":" + _encode_string(str(value)) + "}"
+    if isinstance(value, float):
+        # ECMAScript's number form, as RFC 8785 asks; NaN and infinities are refused.
+        return rfc8785.dumps(float(value)).decode()
+    if isinstance(value, str):
+        return _encode_string(value)
+    raise TypeError(f"unsupported type {type(value).__name__}")
+
+
+def _utf16(item: tuple[Any, Any]) -> bytes:
+    key = item[0]
+    if not isinstance(key, str):
+        raise TypeError("object keys must be strings")
+    return key.encode("utf-16-be")  # refuses a lone surrogate (UnicodeEncodeError)
+
+
+def _canonical(payload: Any) -> bytes:
+    """RFC 8785 bytes of ``payload``, written without recursion: a document nested deeper
+    than Python's stack (JSON that ``json.loads`` accepts can be) is canonicalised too.
+
+    Big integers are exact (see `_BIG_INTEGER_KEY`). A container that contains itself is
+    refused (ValueError) rather than written for ever.
+
+    Raises:
+        TypeError: a value JSON has no form for.
+        ValueError: a cycle, NaN or an infinity, a lone surrogate, an integer too long.
+    """
+    out: list[str] = []
+    # Values still to write, last first. A container writes its opening bracket and pushes
+    # its members, separators and closing bracket.
+    todo: list[Any] = [payload]
+    open_containers: set[int] = set()  # on the path from the root: meeting one is a cycle
+    while todo:
+        item = todo.pop()
+        if type(item) is _Text:
+            out.append(item)
+            continue
+        if type(item) is _Close:
+            open_containers.discard(item.container)
+            out.append(item)
+            continue
+        members = None if type(item) in _SCALARS else _members(item)
+        if members is None:
+            out.append(_scalar(item))
+            continue
+        if id(item) in open_containers:
+            raise ValueError("the payload contains itself")
+        if not members:
+            out.append("{}" if isinstance(members, dict) else "[]")
+            continue
+        open_containers.add(id(item))
+        if isinstance(members, dict):
+            out.append("{")
+            todo.append(_close("}", id(item)))
+            items = sorted(members.items(), key=_utf16)
+            for index in range(len(items) - 1, -1, -1):
+                key, member = items[index]
+                todo.append(member)
+                todo.append(_Text(_encode_string(key) + ":"))
+                if index:
+                    todo.append(_COMMA)
+        else:
+            out.append("[")
+            todo.append(_close("]", id(item)))
+            for index in range(len(members) - 1, -1, -1):
+                todo.append(members[index])
+                if index:
+                    todo.append(_COMMA)
+    return "".join(out).encode()  # a lone surrogate in a string: UnicodeEncodeError
 
 
 def canonical_bytes(payload: Any) -> bytes:
@@ -126,20 +209,25 @@ def canonical_bytes(payload: Any) -> bytes:
 
     RFC 8785 fixes key order, number forms and string escaping, so two payloads that mean the
     same JSON give the same bytes however they were built. Dataclasses and pydantic models
-    count as their fields.
+    count as their fields. Any depth of nesting is fine.
+
+    Raises:
+        InvalidPayloadError: the payload has no JSON form (an object, NaN, a lone surrogate,
+            non-string keys, a container that contains itself, an integer over 4,300 digits).
     """
     if isinstance(payload, _BINARY):
         return bytes(payload)
-    if _is_plain(payload):
-        try:
-            return _encode_sorted(payload).encode()
-        except UnicodeEncodeError:
-            pass  # a lone surrogate: the general path refuses it
     try:
-        return _rfc8785(_plain(payload))
+        if _is_plain(payload):
+            return _encode_sorted(payload).encode()
+    except (UnicodeEncodeError, RecursionError):
+        pass  # a lone surrogate (refused below), or deeper than the fast path's recursion
+    try:
+        return _canonical(payload)
     except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:
         raise InvalidPayloadError(
-            f"cannot fingerprint a {type(payload).__name__}: give JSON-compatible data or bytes"
+            f"cannot fingerprint a {type(payload).__name__}: give JSON-compatible data or "
+            f"bytes ({exc})"
         ) from exc
 
 

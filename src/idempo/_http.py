@@ -16,22 +16,28 @@ from __future__ import annotations
 import hashlib
 import json
 import json.encoder
+import logging
 import math
-from collections.abc import Callable, Collection, Iterable, Sequence
+import shlex
+import uuid
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
 from ._fingerprint import canonical_bytes
-from ._keys import validate_key
+from ._keys import Scope, validate_key
 from ._record import Record, Status
 from .errors import (
     ConfigurationError,
+    CorruptRecordError,
+    FencedError,
     FingerprintMismatchError,
     IdempotencyError,
     InvalidKeyError,
     InvalidPayloadError,
     MissingKeyError,
+    PrincipalRequiredError,
     RequestInProgressError,
     RequestTooLargeError,
     StoreError,
@@ -42,6 +48,7 @@ __all__ = [
     "DEFAULT_BODY_LIMIT",
     "DEFAULT_FINGERPRINT_FIELDS",
     "KEY_HEADER",
+    "NO_RESOLVER",
     "PROBLEM_TYPE_BASE",
     "REPLAYED_HEADER",
     "Classifier",
@@ -51,6 +58,7 @@ __all__ = [
     "HttpRequest",
     "HttpResponse",
     "MissingKeyError",
+    "Principals",
     "RequestTooLargeError",
     "UnkeptResponse",
     "canonical_parts",
@@ -60,6 +68,7 @@ __all__ = [
     "decode_response",
     "default_principal",
     "encode_response",
+    "evict_hint",
     "header_values",
     "headers_named",
     "http_policy",
@@ -67,10 +76,13 @@ __all__ = [
     "problem",
     "problem_for",
     "request_fingerprint",
+    "user_principal",
 ]
 
 Header = tuple[bytes, bytes]
 """One header as it travels in ASGI: ``(name, value)``, both bytes, the name lowercased."""
+
+logger = logging.getLogger("idempo.http")
 
 KEY_HEADER = b"idempotency-key"
 REPLAYED_HEADER = b"idempotent-replayed"
@@ -232,9 +244,9 @@ def _sf_string(raw: bytes) -> str:
 
 
 def default_principal(authorization: Sequence[bytes]) -> str:
-    """Who asked, when the app names no principal: hex SHA-256 of the Authorization header.
+    """Who asked, by the Authorization header: its hex SHA-256, ``""`` (anonymous) without one.
 
-    ``""`` (anonymous) when the header is absent. The raw credential is never stored.
+    The raw credential is never stored.
 
     >>> default_principal([]), default_principal([b"Bearer t"])[:12]
     ('', '63a25a26464c')
@@ -242,6 +254,146 @@ def default_principal(authorization: Sequence[bytes]) -> str:
     if not authorization:
         return ""
     return hashlib.sha256(b"\n".join(authorization)).hexdigest()
+
+
+# Where a user object keeps its id, in the order asked: Starlette's BaseUser.identity,
+# Django's pk, then the names apps' own user classes (Litestar's are the app's) use most.
+# Flask-Login's get_id() is asked before all of them. Not display names: two users may
+# share one.
+_USER_ID_NAMES = ("identity", "pk", "id", "user_id", "sub", "username", "email")
+
+
+def _user_id(user: Any) -> str | None:
+    if isinstance(user, bool):
+        return None
+    if isinstance(user, str | int | uuid.UUID):
+        return str(user) or None
+    candidates: list[Any] = []
+    get_id = getattr(user, "get_id", None)
+    if callable(get_id):
+        candidates.append(get_id())
+    for name in _USER_ID_NAMES:
+        if isinstance(user, Mapping):
+            candidates.append(user.get(name))
+            continue
+        try:
+            candidates.append(getattr(user, name, None))
+        except NotImplementedError:  # Starlette's BaseUser.identity, left to subclasses
+            continue
+    for value in candidates:
+        if isinstance(value, str | int | uuid.UUID) and not isinstance(value, bool) and str(value):
+            return str(value)
+    return None
+
+
+def user_principal(user: Any) -> str | None:
+    """``"user:<id>"`` for a user the framework authenticated, None for no user or an
+    anonymous one (``is_authenticated`` false).
+
+    The id is the user's own (Flask-Login's ``get_id()``, Starlette's ``identity``, Django's
+    ``pk``, or an ``id``/``username``/... attribute or key), never its class: renaming a user
+    class between a request and its retry must not make the retry another principal.
+
+    Raises:
+        ConfigurationError: the user is authenticated but has none of those ids. Falling back
+            to a principal shared by every such user would hand one user another's answer.
+
+    >>> class User:
+    ...     is_authenticated = True
+    ...     pk = 42
+    >>> user_principal(User()), user_principal(None)
+    ('user:42', None)
+    """
+    if user is None:
+        return None
+    authenticated = getattr(user, "is_authenticated", True)
+    if callable(authenticated):  # old Django and Flask-Login made it a method
+        authenticated = authenticated()
+    if not authenticated:
+        return None
+    found = _user_id(user)
+    if found is None:
+        raise ConfigurationError(
+            f"idempo cannot tell which user a {type(user).__name__} is (no get_id(), "
+            f"{', '.join(_USER_ID_NAMES)}): pass principal= to the idempotency middleware"
+        )
+    return f"user:{found}"
+
+
+class _NoResolver:
+    def __repr__(self) -> str:
+        return "NO_RESOLVER"
+
+
+NO_RESOLVER: Any = _NoResolver()
+"""What `Principals.resolve` is given when the app passed no ``principal=`` resolver."""
+
+
+class Principals:
+    """Who asked, for one middleware (SPEC §1).
+
+    The app's resolver wins: a string is the principal (``""``: anonymous, by the app's own
+    choice); None means it could not tell, and the request is refused with
+    `PrincipalRequiredError` (401) unless ``allow_anonymous``, when the default applies.
+    The default, without a resolver: the user the framework authenticated, else the SHA-256
+    of ``Authorization``, else anonymous. An anonymous request that carries cookies is most
+    likely a signed-in user of a cookie-session app idempo cannot see; the first one is
+    logged as a warning (once per middleware), since anonymous callers share one key space.
+
+    Args:
+        allow_anonymous: anonymous callers are expected: a resolver's None falls back to the
+            default instead of a 401, and cookies on an anonymous request are not warned of.
+        owner: the middleware's name, for the warning.
+    """
+
+    def __init__(self, *, allow_anonymous: bool, owner: str) -> None:
+        self.allow_anonymous = allow_anonymous
+        self.owner = owner
+        self._warned = False
+
+    def resolve(
+        self,
+        chosen: str | None,
+        user: Callable[[], Any],
+        authorization: Sequence[bytes],
+        cookies: bool,
+    ) -> str:
+        """The principal of one request.
+
+        Args:
+            chosen: what the app's resolver returned, or `NO_RESOLVER`.
+            user: reads the user the framework authenticated (None when it cannot see one);
+                called only when the default is needed.
+            authorization: the request's Authorization values.
+            cookies: whether the request carries a Cookie header.
+
+        Raises:
+            PrincipalRequiredError: the resolver returned None and anonymous is not allowed.
+            ConfigurationError: see `user_principal`.
+        """
+        if isinstance(chosen, str):
+            return chosen
+        if chosen is None and not self.allow_anonymous:
+            raise PrincipalRequiredError(
+                "the principal resolver could not tell who sent this request, and this "
+                "endpoint does not take anonymous requests"
+            )
+        found = user_principal(user())
+        if found is not None:
+            return found
+        if authorization:
+            return default_principal(authorization)
+        if cookies and not self.allow_anonymous and not self._warned:
+            self._warned = True
+            logger.warning(
+                "idempo: %s saw a request with cookies but no principal (no authenticated "
+                "user it can see, no Authorization header), so it ran as anonymous, and "
+                "anonymous callers share one key space. A cookie-session app must pass "
+                "principal= (the signed-in user's id); allow_anonymous=True silences this. "
+                "Said once.",
+                self.owner,
+            )
+        return ""
 
 
 # --- the fingerprint ----------------------------------------------------------------------
@@ -270,12 +422,18 @@ def _is_json(content_type: bytes) -> bool:
 
 def _canonical_body(body: bytes, content_type: bytes) -> bytes:
     """RFC 8785 bytes for a JSON body, so ``{"a": 1}`` and ``{ "a":1 }`` are one request;
-    other bodies (and JSON that does not parse, which the app will refuse itself) as sent."""
+    other bodies as sent, and so is JSON that does not parse or has no RFC 8785 form (invalid
+    UTF-8, a lone surrogate, ``1e400``, an integer over 4,300 digits, nesting deeper than
+    Python's parser goes): the app refuses or reads those itself, and raw bytes only ever
+    make two requests differ, never alike.
+
+    A parsed document is canonicalised at any depth (`canonical_bytes` does not recurse).
+    """
     if not body or not _is_json(content_type):
         return body
     try:
         return canonical_bytes(_json_loads(body))
-    except (ValueError, InvalidPayloadError):
+    except (ValueError, InvalidPayloadError, RecursionError):
         return body
 
 
@@ -449,7 +607,11 @@ def encode_response(response: HttpResponse) -> bytes:
 
 
 def decode_response(data: bytes) -> HttpResponse:
-    """The response `encode_response` stored."""
+    """The response `encode_response` stored.
+
+    Raises:
+        CorruptRecordError: ``data`` is not a stored response of this format.
+    """
     head_line, newline, body = data.partition(b"\n")
     try:
         head = _json_loads(head_line)
@@ -458,9 +620,26 @@ def decode_response(data: bytes) -> HttpResponse:
         headers = tuple(
             [(name.encode("latin-1"), value.encode("latin-1")) for name, value in head["headers"]]
         )
-        return HttpResponse(int(head["status"]), headers, body)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise IdempotencyError(f"the stored response cannot be read: {exc}") from exc
+        status = int(head["status"])
+        if not 100 <= status <= 999:  # what an HTTP status line can carry
+            raise ValueError(f"status {status}")
+        return HttpResponse(status, headers, body)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise CorruptRecordError(f"the stored response cannot be read: {exc}") from exc
+
+
+def evict_hint(scope: Scope) -> str:
+    """The command that evicts ``scope``'s record, for messages about a corrupt one.
+
+    >>> evict_hint(Scope("", "POST /pay", "k1"))
+    "idempo evict STORE-URL k1 --operation 'POST /pay' --principal ''"
+    """
+    options = (
+        f"--operation {shlex.quote(scope.operation)} --principal {shlex.quote(scope.principal)}"
+    )
+    if scope.key.startswith("-"):  # would read as an option: after "--" it cannot
+        return f"idempo evict STORE-URL {options} -- {shlex.quote(scope.key)}"
+    return f"idempo evict STORE-URL {shlex.quote(scope.key)} {options}"
 
 
 Classifier = Callable[[int], Status | None]
@@ -520,9 +699,13 @@ class HttpCodec:
         return encode_response(_not_stored(detail))
 
     def decode(self, record: Record) -> HttpResponse:
-        if record.response is None:
-            raise IdempotencyError("the record holds no response to replay")
-        return decode_response(record.response)
+        try:
+            if record.response is None:
+                raise CorruptRecordError("the record holds no response to replay")
+            return decode_response(record.response)
+        except CorruptRecordError as exc:
+            # Nothing runs and nothing is replayed until an operator evicts the record.
+            raise CorruptRecordError(f"{exc}; evict it: {evict_hint(record.scope)}") from exc
 
 
 def _not_stored(detail: str) -> HttpResponse:
@@ -608,6 +791,34 @@ def problem_for(
                 "A request with this Idempotency-Key is still being processed. Retry later "
                 "to receive its response.",
                 headers=[_retry_after(min(retry_after, max_retry_after))],
+            )
+        case PrincipalRequiredError():
+            return problem(
+                401,
+                "principal-required",
+                "Caller not identified",
+                "This endpoint could not tell who sent the request, so it cannot keep its "
+                "Idempotency-Key apart from other callers' keys. Authenticate, then retry.",
+            )
+        case FencedError():
+            return problem(
+                409,
+                "lease-lost",
+                "Request taken over",
+                "This request ran past its lease and another attempt with the same "
+                "Idempotency-Key took over; its answer was not stored. Retry with the same "
+                "key to receive the answer of the attempt that holds it.",
+                headers=[_retry_after(max_retry_after)],
+            )
+        case CorruptRecordError():
+            return problem(
+                503,
+                "corrupt-record",
+                "Stored idempotency record unreadable",
+                "The request was not processed: the record stored for this Idempotency-Key "
+                "cannot be decoded, and every retry gets this answer until an operator "
+                "evicts it (idempo evict; the server's log names the record).",
+                headers=[_retry_after(store_retry_after)],
             )
         case StoreError():
             return problem(

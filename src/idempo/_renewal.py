@@ -2,8 +2,13 @@
 
 A holder slower than its lease would otherwise be taken over by a duplicate and run twice.
 Renewal stops with the work, so a crashed process's key still frees when its last lease ends.
-A lost lease or a store fault ends renewal with a warning, never the work: the fenced outcome
-then tells the holder it lost the key.
+
+A refused renewal means another attempt took the key over: the work must learn it before its
+next external call, or both attempts act. The attempt is marked (``attempt.lease_lost``; its
+next ``renew()`` raises `FencedError`) and, in async code, the task that runs the work is
+cancelled; leaving ``async with Renewal(...)`` (or `Renewal.fenced`) turns that cancellation
+into the `FencedError`. A store fault only ends renewal, with a warning: the lease may still
+hold, and the fenced outcome tells the holder if it did not.
 """
 
 from __future__ import annotations
@@ -11,15 +16,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from types import TracebackType
 
+from .errors import FencedError
 from .guard import AsyncAttempt, Attempt
+
+# Renewals still in flight when they were stopped: asyncio keeps only weak references to
+# tasks, and these must finish (fenced out by then) rather than vanish.
+_finishing: set[asyncio.Task[None]] = set()
 
 
 class Renewal:
     """Extends an async attempt's lease every ``every`` seconds until stopped.
 
+    Start it in the task that runs the work: that task is cancelled if the lease is lost.
     Most work finishes long before the first renewal is due, so a timer waits for it, and a
     task is only made when one is.
+
+        async with Renewal(attempt, every, logger):
+            await work()        # a lost lease raises FencedError here
     """
 
     def __init__(self, attempt: AsyncAttempt, every: float, logger: logging.Logger) -> None:
@@ -29,8 +44,17 @@ class Renewal:
         self._stopped = False
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
+        self._work: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self._cancelled_work = False
 
     def start(self) -> None:
+        self._work = asyncio.current_task()
+        if self._work is not None:
+            self._cancelling = self._work.cancelling()
+        self._schedule()
+
+    def _schedule(self) -> None:
         self._timer = asyncio.get_running_loop().call_later(self._every, self._due)
 
     def _due(self) -> None:
@@ -40,24 +64,73 @@ class Renewal:
     async def _renew(self) -> None:
         try:
             await self._attempt.renew()
-        except Exception as exc:  # noqa: BLE001 - a lost lease or a store fault ends renewal, never the work
-            _stopped_renewing(self._logger, self._attempt, exc)
+        except FencedError as exc:
+            if not self._stopped:
+                _stopped_renewing(self._logger, self._attempt, exc)
+                self._lost()
+            return
+        except Exception as exc:  # noqa: BLE001 - a store fault ends renewal, never the work
+            if not self._stopped:
+                _stopped_renewing(self._logger, self._attempt, exc)
             return
         if not self._stopped:
-            self.start()
+            self._schedule()
+
+    def _lost(self) -> None:
+        work = self._work
+        if work is not None and not work.done():
+            self._cancelled_work = True
+            work.cancel(f"idempo: the lease of key {self._attempt.scope.key!r} was taken over")
 
     async def stop(self) -> None:
-        """Stop renewing; waits for a renewal in flight rather than cancelling it mid-query."""
+        """Stop renewing. Never waits, so it is no cancellation point: a cancelled caller
+        goes straight on to release its key. A renewal still in flight finishes by itself
+        and changes nothing: renewals are fenced on the token and on the lease being live."""
         self._stopped = True
         if self._timer is not None:
             self._timer.cancel()
         task, self._task = self._task, None
-        if task is not None:
-            await task
+        if task is not None and not task.done():
+            _finishing.add(task)
+            task.add_done_callback(_finishing.discard)
+
+    def fenced(self, exc: BaseException) -> BaseException:
+        """What the work's exception means: the lost lease's `FencedError` if ``exc`` is the
+        cancellation this renewal made (it is then taken back, as `asyncio.timeout` does
+        with its own), else ``exc`` itself. Call it once, after `stop`."""
+        if not self._cancelled_work or not isinstance(exc, asyncio.CancelledError):
+            return exc
+        self._cancelled_work = False
+        assert self._work is not None
+        if self._work.uncancel() > self._cancelling:
+            return exc  # someone else cancelled the work too: theirs goes on
+        lost = FencedError(f"the lease of key {self._attempt.scope.key!r} was taken over")
+        lost.__cause__ = exc
+        return lost
+
+    async def __aenter__(self) -> Renewal:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+        if exc is None and self._cancelled_work:
+            # The work swallowed the cancellation; it lost the lease all the same.
+            exc = asyncio.CancelledError()
+        if exc is not None:
+            fenced = self.fenced(exc)
+            if fenced is not exc:
+                raise fenced
 
 
 class ThreadRenewal:
-    """The synchronous twin of `Renewal`: a daemon thread renews while the work runs."""
+    """The synchronous twin of `Renewal`: a daemon thread renews while the work runs. A lost
+    lease marks the attempt (``attempt.lease_lost``); its next ``renew()`` raises."""
 
     def __init__(self, attempt: Attempt, every: float, logger: logging.Logger) -> None:
         self._attempt = attempt
@@ -72,7 +145,7 @@ class ThreadRenewal:
     def _run(self) -> None:
         while not self._stopped.wait(self._every):
             try:
-                self._attempt.renew()
+                self._attempt.renew()  # a refusal marks the attempt
             except Exception as exc:  # noqa: BLE001 - see Renewal._renew
                 _stopped_renewing(self._logger, self._attempt, exc)
                 return
@@ -82,6 +155,18 @@ class ThreadRenewal:
         self._stopped.set()
         if self._thread.is_alive():
             self._thread.join()
+
+    def __enter__(self) -> ThreadRenewal:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 def _stopped_renewing(logger: logging.Logger, attempt: Attempt, exc: Exception) -> None:

@@ -27,11 +27,11 @@ from ._http import (
     HttpCodec,
     HttpRequest,
     HttpResponse,
+    Principals,
     UnkeptResponse,
     canonical_request,
     check_options,
     classify_status,
-    default_principal,
     header_values,
     http_policy,
     parse_key,
@@ -39,6 +39,7 @@ from ._http import (
 )
 from .errors import (
     ConfigurationError,
+    CorruptRecordError,
     IdempotencyError,
     MissingKeyError,
     RequestTooLargeError,
@@ -74,6 +75,7 @@ class SyncHttpGuard:
         lease: float | timedelta | None,
         methods: Collection[str],
         require_key: bool,
+        allow_anonymous: bool,
         fingerprint_fields: Collection[FingerprintField],
         fingerprint_headers: Collection[str],
         max_request_bytes: int,
@@ -95,6 +97,7 @@ class SyncHttpGuard:
         self.idempotency = _guard(store, idempotency, policy, lease, max_response_bytes, owner)
         self.methods = frozenset(method.upper() for method in methods)
         self.require_key = require_key
+        self.principals = Principals(allow_anonymous=allow_anonymous, owner=owner)
         self.fingerprint_fields = tuple(fingerprint_fields)
         self.fingerprint_headers = tuple(name.lower() for name in fingerprint_headers)
         self.max_request_bytes = max_request_bytes
@@ -137,11 +140,26 @@ class SyncHttpGuard:
         """413 for a body that grew past the limit while being read."""
         return self.problem(RequestTooLargeError(self.max_request_bytes))
 
-    def principal(self, chosen: str | None, headers: Sequence[Header]) -> str:
-        """The app's principal, or the default: a SHA-256 of the Authorization header."""
-        if chosen is not None:
-            return chosen
-        return default_principal(header_values(headers, b"authorization"))
+    def principal(
+        self, chosen: str | None, user: Callable[[], Any], headers: Sequence[Header]
+    ) -> str | HttpResponse:
+        """Who asked (`idempo._http.Principals`), or the problem to answer (401
+        ``principal-required``).
+
+        Args:
+            chosen: what the app's resolver returned, or `idempo._http.NO_RESOLVER`.
+            user: reads the user the framework authenticated, None when there is none.
+            headers: the request's.
+        """
+        try:
+            return self.principals.resolve(
+                chosen,
+                user,
+                header_values(headers, b"authorization"),
+                bool(header_values(headers, b"cookie")),
+            )
+        except IdempotencyError as exc:
+            return self.problem(exc)
 
     def reserve(
         self, key: str, request: HttpRequest, *, operation: str, principal: str
@@ -156,6 +174,10 @@ class SyncHttpGuard:
         )
         try:
             attempt = once.__enter__()
+        except CorruptRecordError as exc:
+            # Never fail open here: the record may say the work already ran.
+            logger.error("idempo: %s", exc)  # noqa: TRY400 - the error is the message
+            return self.problem(exc)
         except StoreError as exc:
             if not self.fail_open:
                 return self.problem(exc)

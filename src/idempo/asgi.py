@@ -24,15 +24,16 @@ from ._http import (
     DEFAULT_BODY_LIMIT,
     DEFAULT_FINGERPRINT_FIELDS,
     KEY_HEADER,
+    NO_RESOLVER,
     Classifier,
     FingerprintField,
     HttpCodec,
     HttpResponse,
+    Principals,
     UnkeptResponse,
     canonical_parts,
     check_options,
     classify_status,
-    default_principal,
     headers_named,
     http_policy,
     parse_key,
@@ -42,6 +43,7 @@ from ._http import (
 from ._renewal import Renewal as _Renewal
 from .errors import (
     ConfigurationError,
+    CorruptRecordError,
     IdempotencyError,
     MissingKeyError,
     RequestTooLargeError,
@@ -75,7 +77,7 @@ _UNCAPTURABLE = frozenset(
     {"http.response.pathsend", "http.response.zerocopysend", "http.response.trailers"}
 )
 # The request headers the middleware reads itself, found in one pass over the request's.
-_READ_HEADERS = frozenset({KEY_HEADER, b"content-length", b"authorization"})
+_READ_HEADERS = frozenset({KEY_HEADER, b"content-length", b"authorization", b"cookie"})
 
 
 class IdempotencyMiddleware:
@@ -94,9 +96,15 @@ class IdempotencyMiddleware:
         methods: the guarded methods; others pass through untouched.
         require_key: answer 400 to a guarded request without a key; if False such a
             request passes through without idempotency.
-        principal: who asked, from the ASGI scope (e.g. the authenticated user set by an
-            outer auth middleware); None or a None result means the default, a SHA-256 of
-            the Authorization header.
+        principal: who asked, from the ASGI scope (e.g. the user id an outer auth
+            middleware set). A string is the principal (``""``: anonymous); None means the
+            resolver cannot tell, and the request is refused with 401 ``principal-required``
+            unless ``allow_anonymous``. Without a resolver: ``scope["user"]`` when an
+            outer auth middleware (Starlette's, Litestar's) authenticated one, else a
+            SHA-256 of the Authorization header, else anonymous (docs/http.md).
+        allow_anonymous: anonymous callers are expected: a resolver's None means the
+            default principal instead of a 401, and a cookie-carrying anonymous request is
+            not warned of.
         operation: what was asked, from the scope; None or a None result means the default,
             ``"METHOD route-template"`` (Starlette/FastAPI routes) or ``"METHOD path"``.
         fingerprint_fields: which of ``method``, ``path``, ``query``, ``body`` count in the
@@ -143,6 +151,7 @@ class IdempotencyMiddleware:
         methods: Collection[str] = ("POST", "PATCH"),
         require_key: bool = True,
         principal: Callable[[ASGIScope], str | None] | None = None,
+        allow_anonymous: bool = False,
         operation: Callable[[ASGIScope], str | None] | None = None,
         fingerprint_fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
         fingerprint_headers: Collection[str] = (),
@@ -168,6 +177,7 @@ class IdempotencyMiddleware:
         self.methods = frozenset(method.upper() for method in methods)
         self.require_key = require_key
         self.principal = principal
+        self.principals = Principals(allow_anonymous=allow_anonymous, owner=type(self).__name__)
         self.operation = operation
         self.fingerprint_fields = tuple(fingerprint_fields)
         self.fingerprint_headers = tuple(name.lower() for name in fingerprint_headers)
@@ -324,18 +334,24 @@ class _Exchange:
         """The attempt to run or replay, or None once the request has been answered."""
         mw = self.mw
         try:
+            principal = self._principal()
             if connection is not None and mw.connection is not None:
                 self.conn = await _open(connection, mw.connection)
             self.once = mw.idempotency.once(
                 key,
                 operation=self._operation(),
                 payload=self._payload(body),
-                principal=self._principal(),
+                principal=principal,
                 conn=self.conn,
                 mode=mw.mode,
                 codec=mw.codec,
             )
             attempt: AsyncAttempt = await self.once.__aenter__()
+        except CorruptRecordError as exc:
+            # Never fail open here: the record may say the work already ran.
+            logger.error("idempo: %s", exc)  # noqa: TRY400 - the error is the message
+            await self._answer(mw.problem(exc))
+            return None
         except StoreError as exc:
             if mw.fail_open:
                 logger.warning("idempo: store unavailable, running the request unguarded: %s", exc)
@@ -359,12 +375,20 @@ class _Exchange:
         try:
             await self.mw.app(self._app_scope(), self._receive_body(body), self._capture)
         except BaseException as exc:
-            if not self.settled:
-                # Before a whole response: the guard releases the key (transient failure).
-                self.settled = True
-                await self.renewal.stop()
-                await self.once.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
+            if self.settled:
+                raise
+            # Before a whole response: the guard releases the key (transient failure).
+            self.settled = True
+            await self.renewal.stop()
+            # A refused renewal cancels the work: that cancellation is the lost lease,
+            # answered as such rather than passed on to the server as a cancelled request.
+            lost = self.renewal.fenced(exc)
+            await self.once.__aexit__(type(lost), lost, lost.__traceback__)
+            if lost is exc:
+                raise
+            if not self.streaming:
+                await self._answer(self.mw.problem(lost))
+            return
         finally:
             await self.renewal.stop()
         if not self.settled:
@@ -519,10 +543,13 @@ class _Exchange:
         return f"{method} {template if template is not None else self.scope['path']}"
 
     def _principal(self) -> str:
-        chosen = self.mw.principal(self.scope) if self.mw.principal else None
-        if chosen is not None:
-            return chosen
-        return default_principal(self.named.get(b"authorization", []))
+        mw = self.mw
+        return mw.principals.resolve(
+            mw.principal(self.scope) if mw.principal else NO_RESOLVER,
+            lambda: self.scope.get("user"),
+            self.named.get(b"authorization", []),
+            b"cookie" in self.named,
+        )
 
     def _payload(self, body: bytes) -> bytes:
         scope = self.scope

@@ -13,6 +13,7 @@ with the same `HttpCodec`, key parsing, fingerprint and problems as the ASGI mid
 
 from __future__ import annotations
 
+import importlib
 import io
 from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import timedelta
@@ -23,6 +24,7 @@ from typing import Any
 from ._http import (
     DEFAULT_BODY_LIMIT,
     DEFAULT_FINGERPRINT_FIELDS,
+    NO_RESOLVER,
     Classifier,
     FingerprintField,
     Header,
@@ -35,7 +37,12 @@ from .guard import Idempotency
 from .policy import Policy
 from .stores.base import Store
 
-__all__ = ["IdempotencyWSGIMiddleware", "flask_route_template", "request_headers"]
+__all__ = [
+    "IdempotencyWSGIMiddleware",
+    "flask_login_user",
+    "flask_route_template",
+    "request_headers",
+]
 
 Environ = dict[str, Any]
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
@@ -62,8 +69,15 @@ class IdempotencyWSGIMiddleware:
         methods: the guarded methods; others pass through untouched.
         require_key: answer 400 to a guarded request without a key; if False such a
             request passes through without idempotency.
-        principal: who asked, from the environ (e.g. ``environ["REMOTE_USER"]``); None or a
-            None result means the default, a SHA-256 of the Authorization header.
+        principal: who asked, from the environ (e.g. ``environ["REMOTE_USER"]``). A string
+            is the principal (``""``: anonymous); None means the resolver cannot tell, and
+            the request is refused with 401 ``principal-required`` unless
+            ``allow_anonymous``. Without a resolver: Flask-Login's ``current_user`` when the
+            Flask app has a login manager and the user is authenticated, else a SHA-256 of
+            the Authorization header, else anonymous (docs/http.md).
+        allow_anonymous: anonymous callers are expected: a resolver's None means the
+            default principal instead of a 401, and a cookie-carrying anonymous request is
+            not warned of.
         operation: what was asked, from the environ; None or a None result means the
             default, ``"METHOD route-template"`` (see ``routes``) or ``"METHOD path"``.
         routes: where route templates come from: a Flask app (anything with a Werkzeug
@@ -99,6 +113,7 @@ class IdempotencyWSGIMiddleware:
         methods: Collection[str] = ("POST", "PATCH"),
         require_key: bool = True,
         principal: Callable[[Environ], str | None] | None = None,
+        allow_anonymous: bool = False,
         operation: Callable[[Environ], str | None] | None = None,
         routes: Any = None,
         fingerprint_fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
@@ -119,6 +134,7 @@ class IdempotencyWSGIMiddleware:
             lease=lease,
             methods=methods,
             require_key=require_key,
+            allow_anonymous=allow_anonymous,
             fingerprint_fields=fingerprint_fields,
             fingerprint_headers=fingerprint_headers,
             max_request_bytes=max_request_bytes,
@@ -133,7 +149,10 @@ class IdempotencyWSGIMiddleware:
         self.idempotency = self.guard.idempotency
         self.principal = principal
         self.operation = operation
-        self.routes = routes if routes is not None else _flask_app_of(app)
+        self.flask_app = _flask_app_of(app)
+        if self.flask_app is None and hasattr(routes, "url_map"):
+            self.flask_app = routes
+        self.routes = routes if routes is not None else self.flask_app
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         guard = self.guard
@@ -163,12 +182,15 @@ class IdempotencyWSGIMiddleware:
             headers=headers,
             body=body,
         )
-        chosen = self.principal(environ) if self.principal else None
+        principal = guard.principal(
+            self.principal(environ) if self.principal else NO_RESOLVER,
+            lambda: flask_login_user(self.flask_app, environ, body),
+            headers,
+        )
+        if isinstance(principal, HttpResponse):
+            return _answer(start_response, principal)
         outcome = guard.reserve(
-            key,
-            request,
-            operation=self._operation(environ, method, path),
-            principal=guard.principal(chosen, headers),
+            key, request, operation=self._operation(environ, method, path), principal=principal
         )
         if isinstance(outcome, HttpResponse):
             return _answer(start_response, outcome)
@@ -222,6 +244,32 @@ def flask_route_template(flask_app: Any, environ: Environ) -> str | None:
         return None
     template = getattr(rule, "rule", None)
     return template if isinstance(template, str) else None
+
+
+def flask_login_user(flask_app: Any, environ: Environ, body: bytes) -> str | None:
+    """The id (``get_id()``) of the user Flask-Login authenticated for this request; None
+    when none is, or there is no Flask app with a login manager, or no Flask-Login.
+
+    The middleware runs outside Flask's request context, so one is pushed here for the
+    lookup: the session is opened and the app's user loader runs, as they will again for the
+    view, and the app's teardown handlers run when it is popped. The id is read inside it,
+    while the user's database session is still open. The context reads a copy of the body,
+    so a request loader that reads the form leaves the app's intact.
+    """
+    if flask_app is None or getattr(flask_app, "login_manager", None) is None:
+        return None
+    try:
+        # By name: an optional dependency, untyped, that only apps using it have.
+        flask_login = importlib.import_module("flask_login")
+    except ImportError:
+        return None
+    lookup = {**environ, "wsgi.input": io.BytesIO(body)}
+    with flask_app.request_context(lookup):
+        user = flask_login.current_user
+        if not user.is_authenticated:
+            return None
+        found = user.get_id()
+        return None if found is None else str(found)
 
 
 def _flask_app_of(app: Any) -> Any:

@@ -24,7 +24,7 @@ from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
 from .. import _http
-from .._http import DEFAULT_BODY_LIMIT, DEFAULT_FINGERPRINT_FIELDS, classify_status
+from .._http import DEFAULT_BODY_LIMIT, DEFAULT_FINGERPRINT_FIELDS, NO_RESOLVER, classify_status
 from .._sync_http import Run, SyncHttpGuard, Unguarded
 from ..errors import ConfigurationError
 from ..wsgi import request_headers
@@ -40,6 +40,7 @@ _OPTIONS: dict[str, tuple[str, Any]] = {
     "LEASE": ("lease", None),
     "METHODS": ("methods", ("POST", "PATCH")),
     "REQUIRE_KEY": ("require_key", True),
+    "ALLOW_ANONYMOUS": ("allow_anonymous", False),
     "FINGERPRINT_FIELDS": ("fingerprint_fields", DEFAULT_FINGERPRINT_FIELDS),
     "FINGERPRINT_HEADERS": ("fingerprint_headers", ()),
     "MAX_REQUEST_BYTES": ("max_request_bytes", DEFAULT_BODY_LIMIT),
@@ -61,22 +62,24 @@ class IdempotencyMiddleware:
     Configured by the ``IDEMPO`` setting, a dict: ``STORE`` (a sync store or a store URL)
     or ``IDEMPOTENCY`` (a shared `Idempotency`), and optionally ``POLICY``, ``LEASE``,
     ``METHODS``, ``REQUIRE_KEY``, ``PRINCIPAL`` and ``OPERATION`` (callables taking the
-    request, or dotted paths to them; a None result means the default), ``FINGERPRINT_FIELDS``,
+    request, or dotted paths to them), ``ALLOW_ANONYMOUS``, ``FINGERPRINT_FIELDS``,
     ``FINGERPRINT_HEADERS``, ``MAX_REQUEST_BYTES``, ``MAX_RESPONSE_BYTES``,
     ``REPLAY_STATUS_200``, ``FAIL_OPEN``, ``CLASSIFY``, ``MAX_RETRY_AFTER``,
     ``STORE_RETRY_AFTER``: the `idempo.wsgi.IdempotencyWSGIMiddleware` options.
 
     The operation defaults to ``"METHOD route"`` where the route is the URL pattern the path
-    resolves to (``payments/<int:pk>``), the raw path when none does; the principal to a
-    SHA-256 of the Authorization header.
+    resolves to (``payments/<int:pk>``), the raw path when none does. The principal defaults
+    to ``request.user`` when Django's ``AuthenticationMiddleware`` (placed before this one)
+    authenticated it (``"user:<pk>"``), else a SHA-256 of the Authorization header, else
+    anonymous. A ``PRINCIPAL`` callable's string is the principal (``""``: anonymous); its
+    None is refused with 401 ``principal-required`` unless ``ALLOW_ANONYMOUS``, when the
+    default applies.
 
     Example::
 
         IDEMPO = {
             "STORE": "postgresql://app@db/app",
-            "PRINCIPAL": lambda request: (
-                str(request.user.pk) if request.user.is_authenticated else None
-            ),
+            "PRINCIPAL": lambda request: request.headers.get("X-Tenant"),  # None: 401
         }
     """
 
@@ -127,12 +130,15 @@ class IdempotencyMiddleware:
             headers=headers,
             body=body,
         )
-        chosen = self.principal(request) if self.principal else None
+        principal = guard.principal(
+            self.principal(request) if self.principal else NO_RESOLVER,
+            lambda: getattr(request, "user", None),
+            headers,
+        )
+        if isinstance(principal, _http.HttpResponse):
+            return _to_django(principal)
         outcome = guard.reserve(
-            key,
-            http_request,
-            operation=self._operation(request, method),
-            principal=guard.principal(chosen, headers),
+            key, http_request, operation=self._operation(request, method), principal=principal
         )
         if isinstance(outcome, _http.HttpResponse):
             return _to_django(outcome)

@@ -1,0 +1,339 @@
+"""Cancellation releases the key (SPEC §8, issue 10 defect 7), on every async store.
+
+Every kind of cancellation an async caller meets (``task.cancel()``, ``asyncio.timeout``,
+anyio's ``move_on_after`` and ``fail_after``, which Starlette and FastAPI use and which cancel
+again at every await until the scope exits) lands at an exact moment of a guarded call: while
+the reservation is sent or its reply is on its way back, while the work runs, while the
+completion or the release is sent or answered. A `Gate` in front of the store holds the chosen
+verb until the test has cancelled the caller. Afterwards the key is never left in progress:
+a retry executes at once, or replays the completion that landed; the work ran at most once per
+attempt, never after a cancellation that came before it; the caller still sees its own
+cancellation, and its task is not left cancelling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from faults import STEP, Canceller, Gate
+from idempo import AsyncIdempotency, Policy, RequestInProgressError, Scope, Status
+from idempo.stores.sqlite import AsyncSQLiteStore
+
+OPERATION = "test.cancel"
+
+ASYNC_STORES = [
+    pytest.param("memory", id="memory"),
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("pg", marks=pytest.mark.postgres, id="postgres"),
+    pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+]
+
+
+@pytest.fixture(params=ASYNC_STORES)
+def async_store(request: pytest.FixtureRequest) -> Any:
+    """Every async store but the Redis cluster (its slot routing is not what is tested)."""
+    if request.param == "memory":
+        from idempo.stores.memory import AsyncMemoryStore
+
+        return AsyncMemoryStore()
+    return request.getfixturevalue(f"async_{request.param}_store")
+
+
+class AppError(Exception):
+    pass
+
+
+async def turns(n: int = 5) -> None:
+    """Let the loop go round a few times, so that anyio's scopes cancel again."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+KINDS = ["task", "timeout", "move_on_after", "fail_after"]
+# (moment, gated verb, applied before the gate, the work raises, record left by the first call)
+MOMENTS = [
+    pytest.param("reserve", "reserve", False, False, None, id="reserve-sent"),
+    pytest.param("reserve", "reserve", True, False, None, id="reserve-answered"),
+    pytest.param("work", "release", False, False, None, id="work"),
+    pytest.param("complete", "complete", False, False, Status.COMPLETED, id="complete-sent"),
+    pytest.param("complete", "complete", True, False, Status.COMPLETED, id="complete-answered"),
+    pytest.param("release", "release", False, True, None, id="release-sent"),
+    pytest.param("release", "release", True, True, None, id="release-answered"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("moment", "verb", "applied", "raises", "left"), MOMENTS)
+async def test_a_cancelled_call_never_leaves_its_key_in_progress(
+    async_store: Any,
+    kind: str,
+    moment: str,
+    verb: str,
+    applied: bool,
+    raises: bool,
+    left: Status | None,
+) -> None:
+    gate = Gate(async_store, verb, applied=applied)
+    idem = AsyncIdempotency(gate, Policy(lease=timedelta(minutes=10)))
+    scope = Scope.of("k-cancel", operation=OPERATION)
+    ran: list[str] = []
+    working = asyncio.Event()
+
+    async def work() -> str:
+        ran.append("ran")
+        if moment == "work" and not working.is_set():
+            working.set()
+            await asyncio.Event().wait()  # until cancelled
+        if raises:
+            raise AppError("transient")
+        return "done"
+
+    async def call() -> Any:
+        async with idem.once(scope.key, operation=OPERATION) as attempt:
+            if not attempt.replayed:
+                attempt.result = await work()
+        return attempt.result
+
+    canceller = Canceller(kind)
+    task = await canceller.run(call)
+    await asyncio.wait_for((working if moment == "work" else gate.entered).wait(), STEP)
+    canceller.fire()
+    if moment == "work":
+        # The work is cancelled; the guard's own release must get through the gate although
+        # anyio's scopes cancel again at every await.
+        await asyncio.wait_for(gate.entered.wait(), STEP)
+    await turns()
+    gate.opened.set()
+    await canceller.outcome(task)
+    if raises:
+        assert isinstance(canceller.raised, asyncio.CancelledError)
+        assert isinstance(canceller.raised.__context__, AppError), "the app's error is lost"
+
+    record = await async_store.get(scope)
+    assert (record.status if record else None) == left
+    assert ran == ([] if moment == "reserve" else ["ran"]), "work after a cancellation"
+
+    # A retry never finds the key in progress: it executes at once, or replays.
+    ran.clear()
+    raises = False
+    try:
+        again = await asyncio.wait_for(call(), STEP)
+    except RequestInProgressError:
+        pytest.fail("the cancelled call left its key in progress")
+    assert again == "done"
+    assert ran == ([] if left is Status.COMPLETED else ["ran"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_caller_cancelled_while_waiting_for_a_duplicate_leaves_its_record(
+    async_store: Any, kind: str
+) -> None:
+    """The wait (``policy.wait``) is no cleanup: it is cut at once, and the first holder's
+    reservation stays as it was."""
+    waiting = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        waiting.set()
+        await asyncio.Event().wait()
+
+    idem = AsyncIdempotency(async_store, Policy(wait=timedelta(minutes=1), sleep=sleep))
+    scope = Scope.of("k-wait", operation=OPERATION)
+    async with idem.once(scope.key, operation=OPERATION) as first:
+        canceller = Canceller(kind)
+
+        async def duplicate() -> None:
+            async with idem.once(scope.key, operation=OPERATION):
+                pytest.fail("a duplicate ran while the first held the key")
+
+        task = await canceller.run(duplicate)
+        await asyncio.wait_for(waiting.wait(), STEP)
+        canceller.fire()
+        await canceller.outcome(task)
+        record = await async_store.get(scope)
+        assert record is not None
+        assert record.status is Status.IN_PROGRESS
+        assert record.token == first.token
+        first.result = "first"
+    record = await async_store.get(scope)
+    assert record is not None
+    assert record.status is Status.COMPLETED
+
+
+@pytest.mark.anyio
+async def test_a_hung_store_cannot_hold_a_cancelled_caller(
+    async_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cleanup is bounded: a release that never answers is given up after
+    ``CLEANUP_TIMEOUT``; the cancellation still reaches the caller."""
+    from idempo import _flow
+
+    monkeypatch.setattr(_flow, "CLEANUP_TIMEOUT", 0.05)
+    gate = Gate(async_store, "release", applied=False)  # never opened
+    idem = AsyncIdempotency(gate)
+    working = asyncio.Event()
+
+    async def call() -> None:
+        async with idem.once("k-hung", operation=OPERATION):
+            working.set()
+            await asyncio.Event().wait()
+
+    canceller = Canceller("move_on_after")
+    task = await canceller.run(call)
+    await asyncio.wait_for(working.wait(), STEP)
+    canceller.fire()
+    assert await canceller.outcome(task) == "moved on"
+    assert gate.entered.is_set()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_cancellation_that_comes_while_the_work_is_cancelled_is_not_lost(
+    async_store: Any, kind: str
+) -> None:
+    """The work is cancelled by a plain ``task.cancel()``; the caller's scope fires while
+    the guard releases: both reach the caller, nothing is uncancelled twice."""
+    gate = Gate(async_store, "release", applied=False)
+    idem = AsyncIdempotency(gate)
+    working = asyncio.Event()
+    scope = Scope.of("k-twice", operation=OPERATION)
+
+    async def call() -> None:
+        async with idem.once(scope.key, operation=OPERATION):
+            working.set()
+            await asyncio.Event().wait()
+
+    canceller = Canceller(kind)
+    task = await canceller.run(call)
+    await asyncio.wait_for(working.wait(), STEP)
+    canceller.fire()
+    await asyncio.wait_for(gate.entered.wait(), STEP)
+    task.cancel()  # a second canceller: the server shutting down
+    await turns()
+    gate.opened.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(task), STEP)
+    assert await async_store.get(scope) is None
+
+
+@pytest.mark.anyio
+async def test_a_sqlite_reserve_cancelled_in_its_thread_commits_nothing(
+    async_sqlite_store: AsyncSQLiteStore,
+) -> None:
+    """The store's own verbs too: the worker thread of a cancelled reserve rolls back instead
+    of leaving a reservation nobody knows the token of."""
+    store = async_sqlite_store
+    scope = Scope.of("k-thread", operation=OPERATION)
+    blocker = store._sync.connect()
+    blocker.execute("BEGIN IMMEDIATE")  # the reserve's thread waits for the write lock
+    try:
+        reserving = asyncio.ensure_future(
+            store.reserve(
+                scope, "fp", now=_now(), lease=timedelta(seconds=30), ttl=timedelta(hours=1)
+            )
+        )
+        await _held_by_another_thread(store._sync._writer)
+        reserving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reserving
+    finally:
+        blocker.rollback()
+        blocker.close()
+    # Another writer queues behind the cancelled one's thread: once it is through, that
+    # thread has finished.
+    other = Scope.of("k-after", operation=OPERATION)
+    await store.reserve(
+        other, "fp", now=_now(), lease=timedelta(seconds=30), ttl=timedelta(hours=1)
+    )
+    assert await store.get(scope) is None
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+async def _held_by_another_thread(lock: Any) -> None:
+    """Until a worker thread holds ``lock`` (the store's writer lock)."""
+    deadline = asyncio.get_running_loop().time() + STEP
+    while lock.acquire(blocking=False):
+        lock.release()
+        assert asyncio.get_running_loop().time() < deadline, "the reserve never started"
+        await asyncio.sleep(0.001)
+
+
+def _request(key: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/payments",
+        "raw_path": b"/payments",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_request_cancelled_in_its_handler_releases_its_key(
+    async_store: Any, kind: str
+) -> None:
+    """Over ASGI: the server or the framework cancels the request while the handler runs (a
+    client that went away, a timeout); the middleware's release gets through, and the retry
+    runs the handler."""
+    from idempo.asgi import IdempotencyMiddleware
+
+    gate = Gate(async_store, "release", applied=False)
+    handling = asyncio.Event()
+    calls: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        calls.append("handled")
+        if len(calls) == 1:
+            handling.set()
+            await asyncio.Event().wait()  # until cancelled
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"ok": true}'})
+
+    middleware = IdempotencyMiddleware(
+        app, idempotency=AsyncIdempotency(gate), principal=lambda scope: "alice"
+    )
+
+    async def request() -> list[dict[str, Any]]:
+        body = [{"type": "http.request", "body": b"{}", "more_body": False}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if body:
+                return body.pop()
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await middleware(_request("k-http"), receive, send)
+        return sent
+
+    canceller = Canceller(kind)
+    task = await canceller.run(request)
+    await asyncio.wait_for(handling.wait(), STEP)
+    canceller.fire()
+    await asyncio.wait_for(gate.entered.wait(), STEP)
+    await turns()
+    gate.opened.set()
+    await canceller.outcome(task)
+    retried = await asyncio.wait_for(request(), STEP)
+    assert retried[0]["status"] == 201, retried
+    assert calls == ["handled", "handled"]
