@@ -109,9 +109,11 @@ def acquire(store: Any, s: Scope, clock: FakeClock, fp: str = "fp", **kw: Any) -
 
 
 def settle(store: Any, s: Scope, clock: FakeClock, body: bytes = b"ok", **kw: Any) -> None:
-    """Reserve ``s`` and complete it with ``body``."""
+    """Reserve ``s``, complete it with ``body`` and retry it once: the store's replay is
+    what a cache learns the record from."""
     token = acquire(store, s, clock, **kw)
     store.complete(s, token, body, now=clock(), ttl=kw.get("ttl", TTL))
+    assert isinstance(reserve(store, s, clock), Replay)
 
 
 def reserve(store: Any, s: Scope, clock: FakeClock, fp: str = "fp") -> Any:
@@ -122,14 +124,15 @@ def reserve(store: Any, s: Scope, clock: FakeClock, fp: str = "fp") -> Any:
 
 
 def test_cached_replay_and_mismatch_make_no_store_call(store: Any, clock: FakeClock) -> None:
-    """After its own completion, a process answers replays and mismatches of the scope from
-    memory, with the stored response, and never calls the store."""
+    """Once the store replayed a settled record, a process answers replays and mismatches of
+    the scope from memory, with the stored response, and never calls the store."""
     spy = Spy(store)
     cached = CachedStore(spy, max_entries=16)
     body = bytes(range(256))
     settle(cached, scope(), clock, body)
     token = acquire(cached, scope("failed"), clock)
     cached.fail(scope("failed"), token, b"declined", now=clock(), ttl=TTL)
+    assert isinstance(reserve(cached, scope("failed"), clock), Replay)  # from the store
     spy.calls.clear()
 
     for _ in range(3):
@@ -148,21 +151,24 @@ def test_cached_replay_and_mismatch_make_no_store_call(store: Any, clock: FakeCl
 
 
 def test_learned_records_equal_the_stored_ones(store: Any, clock: FakeClock) -> None:
-    """A record learned from this process's own completion (after a renewal) and one learned
-    from the store's replay are, field for field, what the store keeps."""
+    """Records are learned from the store's answers only, so what memory replays is, field
+    for field, what the store keeps: after a renewal, and after a takeover, where the store
+    keeps the first attempt's creation time and its own token."""
     own = CachedStore(store)
     token = acquire(own, scope(), clock)
     clock.advance(seconds=20)
     own.renew(scope(), token, now=clock(), lease=timedelta(hours=3))  # past reserve's expiry
     clock.advance(seconds=5)
     own.complete(scope(), token, b"done", now=clock(), ttl=timedelta(minutes=5))
-    failed = acquire(own, scope("failed"), clock)
-    own.fail(scope("failed"), failed, b"no", now=clock(), ttl=TTL)
+    acquire(own, scope("taken"), clock, lease=timedelta(seconds=5))
+    clock.advance(seconds=6)
+    taken = acquire(own, scope("taken"), clock)  # a takeover of this process's own lease
+    own.fail(scope("taken"), taken, b"no", now=clock(), ttl=TTL)
 
-    other = CachedStore(store)  # another process: it learns from the store's answers
-    for s in (scope(), scope("failed")):
+    other = CachedStore(store)  # another process
+    for s in (scope(), scope("taken")):
         stored = store.get(s)
-        for cached in (own, other, other):
+        for cached in (own, own, other, other):
             replay = reserve(cached, s, clock)
             assert isinstance(replay, Replay)
             assert replay.record == stored
@@ -186,10 +192,11 @@ async def test_async_cached_replay_makes_no_store_call(async_store: Any, clock: 
     assert spy.calls == Counter({"reserve": 1})
     stored = await async_store.get(s)
     assert all(isinstance(a, Replay) and a.record == stored for a in answers)
-    own = await writer.reserve(s, "fp", now=clock(), lease=LEASE, ttl=TTL)
-    assert isinstance(own, Replay)
-    assert own.record == stored
-    assert writer.cache.hits == 1
+    for _ in range(2):  # the first from the store, the second from memory
+        own = await writer.reserve(s, "fp", now=clock(), lease=LEASE, ttl=TTL)
+        assert isinstance(own, Replay)
+        assert own.record == stored
+    assert (writer.cache.hits, writer.cache.misses) == (1, 2)  # its own reservation, too
 
 
 # -- what is never served --------------------------------------------------------------------
@@ -211,7 +218,7 @@ def test_nothing_is_served_past_its_retention(clock: FakeClock) -> None:
     assert spy.calls == Counter()
 
     clock.advance(TICK)
-    assert reserve(cached, scope(), clock, fp="other") == Acquired(token=2)
+    assert isinstance(reserve(cached, scope(), clock, fp="other"), Acquired)
     assert spy.calls == Counter({"reserve": 1})
     assert len(cached.cache) == 0
 
@@ -328,6 +335,64 @@ def test_purge_through_the_cache_forgets_and_clear_forgets_all(clock: FakeClock)
     assert cached.purge(before=later) == 2
     assert len(cached.cache) == 0
     assert isinstance(reserve(cached, scope("b"), clock), Acquired)
+
+
+def test_evict_through_the_cache_forgets_the_record(clock: FakeClock) -> None:
+    """Evicting through the cache deletes the record in the store and here: the next call
+    executes again, with a token larger than the evicted record's."""
+    inner = MemoryStore()
+    cached = CachedStore(inner)
+    settle(cached, scope(), clock)
+    old = inner.get(scope())
+    assert old is not None and len(cached.cache) == 1
+
+    assert cached.evict(scope()) is True
+    assert cached.evict(scope()) is False
+    assert len(cached.cache) == 0
+    reservation = reserve(cached, scope(), clock)
+    assert isinstance(reservation, Acquired)
+    assert reservation.token > old.token
+
+
+@pytest.mark.anyio
+async def test_async_evict_through_the_cache_forgets_the_record(clock: FakeClock) -> None:
+    """The asynchronous face forgets an evicted record too."""
+    cached = AsyncCachedStore(AsyncMemoryStore())
+    s = scope()
+    token = (await cached.reserve(s, "fp", now=clock(), lease=LEASE, ttl=TTL)).token
+    await cached.complete(s, token, b"ok", now=clock(), ttl=TTL)
+    assert isinstance(await cached.reserve(s, "fp", now=clock(), lease=LEASE, ttl=TTL), Replay)
+    assert len(cached.cache) == 1
+
+    assert await cached.evict(s) is True
+    assert len(cached.cache) == 0
+    assert isinstance(await cached.reserve(s, "fp", now=clock(), lease=LEASE, ttl=TTL), Acquired)
+
+
+class _EvictedMeanwhile(Spy):
+    """A store whose replay is answered, then the record evicted through the cache before
+    the answer gets back: the interleaving of a reservation and an operator's evict."""
+
+    cached: CachedStore
+
+    def reserve(self, *args: Any, **kwargs: Any) -> Any:
+        answer = self.inner.reserve(*args, **kwargs)
+        self.cached.evict(args[0])
+        return answer
+
+
+def test_an_answer_read_before_an_eviction_is_not_learned(clock: FakeClock) -> None:
+    """A replay the store gave just before the record was evicted is passed on to its caller
+    but not kept: the next call asks the store, and runs again."""
+    inner = MemoryStore()
+    settle(inner, scope(), clock)
+    store = _EvictedMeanwhile(inner)
+    store.cached = cached = CachedStore(store)
+
+    assert isinstance(reserve(cached, scope(), clock), Replay)
+
+    assert len(cached.cache) == 0
+    assert isinstance(reserve(cached, scope(), clock), Acquired)
 
 
 # -- capabilities and URLs -------------------------------------------------------------------

@@ -34,6 +34,7 @@ from idempo import (
     ReplayedFailureError,
     Scope,
     Status,
+    UnserializableResultError,
     step_key,
 )
 from idempo.consumer import (
@@ -297,7 +298,8 @@ async def test_result_that_cannot_be_stored_fails_the_message_for_good(harness: 
 
     outcome = await harness.process(envelope(key), unserializable)
     assert (outcome.reason, outcome.action) == (Reason.FAILED, Action.ACK)
-    assert isinstance(outcome.error, TypeError)
+    assert isinstance(outcome.error, UnserializableResultError)
+    assert isinstance(outcome.error.__cause__, TypeError)
     assert (await harness.record(key)).status is Status.FAILED
     assert (await harness.process(envelope(key), unserializable)).reason is Reason.DUPLICATE
     assert runs == [key]

@@ -37,6 +37,7 @@ from idempo import (
     ResponseTooLargeError,
     Scope,
     Status,
+    UnserializableResultError,
 )
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.sqlite import SQLiteStore
@@ -466,8 +467,9 @@ async def test_oversized_result_is_refused_and_recorded_as_a_failure(
 async def test_result_the_serializer_refuses_is_recorded_as_a_failure(
     make_guard: GuardFactory,
 ) -> None:
-    """A result the serializer cannot encode raises its error once and is then replayed as a
-    failure: the work already ran, so a retry must not run it again."""
+    """A result the serializer cannot encode raises UnserializableResultError (the
+    serializer's error as its cause) once and is then replayed as a failure: the work already
+    ran, so a retry must not run it again."""
     guard = make_guard()
     calls = Calls()
 
@@ -476,11 +478,12 @@ async def test_result_the_serializer_refuses_is_recorded_as_a_failure(
         calls.args.append(key)
         return object()
 
-    with pytest.raises(TypeError):
+    with pytest.raises(UnserializableResultError) as raised:
         await work("k-1")
+    assert isinstance(raised.value.__cause__, TypeError)
     with pytest.raises(ReplayedFailureError) as replayed:
         await work("k-1")
-    assert replayed.value.error_type == "builtins.TypeError"
+    assert replayed.value.error_type.endswith(".UnserializableResultError")
     assert len(calls) == 1
 
 
@@ -612,7 +615,7 @@ async def test_renew_and_completion_after_takeover_are_fenced(make_guard: GuardF
             guard.clock.advance(seconds=11)
             async with guard.once("k-1") as successor:
                 assert not successor.replayed
-                assert successor.token == zombie.token + 1
+                assert successor.token > zombie.token
                 successor.result = "successor"
             with pytest.raises(FencedError):
                 await guard.renew(zombie)
@@ -835,7 +838,7 @@ async def test_leased_zombie_is_fenced_and_its_write_rolled_back(app_db: AppDb) 
             assert app_db.records() == 1  # the reservation committed at once
             guard.clock.advance(seconds=11)
             async with guard.once("k-1", conn=successor_conn, mode="leased") as successor:
-                assert successor.token == zombie.token + 1
+                assert successor.token > zombie.token
                 await app_db.insert(successor_conn, "successor")
                 successor.result = "successor"
             await app_db.insert(zombie_conn, "zombie")

@@ -26,6 +26,7 @@ from idempo import (
     Idempotency,
     Policy,
     RequestInProgressError,
+    SchemaMissingError,
     Scope,
     Status,
     StoreUnavailableError,
@@ -150,12 +151,15 @@ def test_lock_waits_round_up_to_whole_seconds() -> None:
         (pymysql.err.OperationalError(1040, "Too many connections"), StoreUnavailableError),
         (pymysql.err.InterfaceError(0, ""), StoreUnavailableError),
         (ConnectionResetError("reset by peer"), StoreUnavailableError),
-        (pymysql.err.ProgrammingError(1146, "Table doesn't exist"), Exception),
+        (pymysql.err.ProgrammingError(1146, "Table 't.x' doesn't exist"), SchemaMissingError),
+        (pymysql.err.OperationalError(1049, "Unknown database 'x'"), StoreUnavailableError),
+        (pymysql.err.ProgrammingError(1064, "You have an error in your SQL syntax"), Exception),
     ],
 )
 def test_driver_errors_map_to_what_they_mean(error: Exception, mapped: type) -> None:
     """Lock waits and deadlocks become the internal lock timeout (an in-progress answer),
-    connection failures StoreUnavailableError, other server errors a plain StoreError."""
+    connection failures and refused logins StoreUnavailableError, a missing table
+    SchemaMissingError, other server errors a plain StoreError."""
     result = map_error(error)
     assert isinstance(result, mapped)
     if mapped is Exception:
@@ -189,8 +193,10 @@ def test_long_and_unicode_scopes_fit_and_stay_apart(mysql_store: MySQLStore) -> 
     ]
     for index, scope in enumerate(scopes):
         reservation = mysql_store.reserve(scope, f"fp-{index}", now=clock(), lease=LEASE, ttl=TTL)
-        assert reservation == Acquired(token=1)
-        mysql_store.complete(scope, 1, f"answer {index}".encode(), now=clock(), ttl=TTL)
+        assert isinstance(reservation, Acquired), reservation
+        mysql_store.complete(
+            scope, reservation.token, f"answer {index}".encode(), now=clock(), ttl=TTL
+        )
     for index, scope in enumerate(scopes):
         verdict = mysql_store.reserve(scope, f"fp-{index}", now=clock(), lease=LEASE, ttl=TTL)
         assert isinstance(verdict, Replay)
@@ -211,19 +217,24 @@ def test_takeover_works_with_simultaneous_assignment(mysql_url: str, mysql_db: s
     scope = Scope.of("k-sim", operation=OPERATION)
     try:
         store.migrate()
-        assert store.reserve(scope, "fp", now=clock(), lease=LEASE, ttl=TTL) == Acquired(1)
+        first = store.reserve(scope, "fp", now=clock(), lease=LEASE, ttl=TTL)
+        assert isinstance(first, Acquired)
         clock.advance(LEASE - timedelta(microseconds=1))
         assert not isinstance(
             store.reserve(scope, "fp", now=clock(), lease=LEASE, ttl=TTL), Acquired
         )
         clock.advance(timedelta(microseconds=1))
-        assert store.reserve(scope, "fp", now=clock(), lease=LEASE, ttl=TTL) == Acquired(2)
+        second = store.reserve(scope, "fp", now=clock(), lease=LEASE, ttl=TTL)
+        assert isinstance(second, Acquired)
+        assert second.token > first.token
         record = store.get(scope)
         assert record is not None
-        assert (record.token, record.lease_expires_at) == (2, clock() + LEASE)
-        store.complete(scope, 2, b"done", now=clock(), ttl=TTL)
+        assert (record.token, record.lease_expires_at) == (second.token, clock() + LEASE)
+        store.complete(scope, second.token, b"done", now=clock(), ttl=TTL)
         clock.advance(timedelta(hours=2))
-        assert store.reserve(scope, "other", now=clock(), lease=LEASE, ttl=TTL) == Acquired(3)
+        third = store.reserve(scope, "other", now=clock(), lease=LEASE, ttl=TTL)
+        assert isinstance(third, Acquired)
+        assert third.token > second.token
         record = store.get(scope)
         assert record is not None
         assert (record.status, record.fingerprint, record.response, record.created_at) == (
@@ -445,21 +456,22 @@ def test_each_leased_verb_is_one_round_trip(
             mysql_store.reserve(other, "fp", now=clock(), lease=LEASE, ttl=TTL)
             clock.advance(LEASE)
             round_trips.clear()
-            assert mysql_store.reserve(other, "fp", now=clock(), lease=LEASE, ttl=TTL) == Acquired(
-                2
-            )
+            taken = mysql_store.reserve(other, "fp", now=clock(), lease=LEASE, ttl=TTL)
+            assert isinstance(taken, Acquired)  # its token: the sequence's, so no value here
         else:
             mysql_store.reserve(scope, "fp", now=clock(), lease=LEASE, ttl=TTL)
         steps.append(sum(round_trips.values()))
     assert steps == [1, 1, 1, 1]
 
 
-def test_a_guarded_transaction_costs_two_round_trips_more_than_the_bare_one(
+def test_a_guarded_transaction_costs_four_round_trips_more_than_the_bare_one(
     payments: Database, shop: MySQLStore, round_trips: Counter[int]
 ) -> None:
     """On the app's connection (autocommit off, PyMySQL's default) a first execution costs the
-    reservation, the app's write, the completion and COMMIT; a replay the reservation and
-    COMMIT. The transaction starts with the reservation, without a BEGIN of its own."""
+    reservation, the savepoint after it, the app's write, the savepoint's release (which
+    shows the app did not end the guard's transaction itself), the completion and COMMIT; a
+    replay the reservation and COMMIT. The transaction starts with the reservation, without
+    a BEGIN of its own."""
     key = new_key()
     idem = Idempotency(shop)
     conn = payments.connect(shop)
@@ -475,4 +487,4 @@ def test_a_guarded_transaction_costs_two_round_trips_more_than_the_bare_one(
         assert sum(round_trips.values()) == round_trips[id(conn)]  # nothing on the store's
     finally:
         conn.close()
-    assert costs == [4, 2]
+    assert costs == [6, 2]

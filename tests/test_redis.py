@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from idempo import AsyncIdempotency, FencedError, Idempotency, Scope
-from idempo._record import Acquired
+from idempo import AsyncIdempotency, Idempotency, Scope
 from idempo.errors import ConfigurationError
 from idempo.stores import open_async_store, open_store
 from idempo.stores.redis import AsyncRedisStore, RedisStore
@@ -223,23 +222,3 @@ def test_app_owned_clients_are_left_open(redis_url: str, redis_prefix: str) -> N
         RedisStore(client=redis.Redis.from_url(redis_url, decode_responses=True))
     with pytest.raises(ConfigurationError):
         RedisStore()
-
-
-def test_repeated_settle_is_idempotent(redis_store: RedisStore) -> None:
-    """Settling again with the same token, status and response (a retried command whose reply
-    was lost) succeeds and changes nothing; any other second settle is fenced."""
-    now = datetime.now(UTC)
-    scope = Scope.of("k", operation="op")
-    ttl = timedelta(hours=1)
-    reservation = redis_store.reserve(scope, "fp", now=now, lease=timedelta(seconds=5), ttl=ttl)
-    assert isinstance(reservation, Acquired)
-    redis_store.complete(scope, reservation.token, b"done", now=now, ttl=ttl)
-    first = redis_store.get(scope)
-
-    redis_store.complete(scope, reservation.token, b"done", now=now + ttl, ttl=ttl)
-
-    assert redis_store.get(scope) == first
-    with pytest.raises(FencedError):
-        redis_store.fail(scope, reservation.token, b"done", now=now, ttl=ttl)
-    with pytest.raises(FencedError):
-        redis_store.complete(scope, reservation.token, b"other", now=now, ttl=ttl)

@@ -203,15 +203,15 @@ def keys_of(command: tuple[Any, ...]) -> list[Any]:
     name = str(command[0]).upper()
     if name == "EVALSHA":
         return list(command[3 : 3 + int(command[2])])
-    if name in ("HGETALL", "HGET"):
-        return [command[1]]
+    if name in ("HGETALL", "HGET", "DEL"):
+        return list(command[1:])
     assert name in ("SCAN", "SCRIPT LOAD"), command
     return []
 
 
 def every_verb(store: RedisStore, scope: Scope, settle: Callable[..., None]) -> None:
     """Reserve, renew, lose the lease to a takeover, release, reserve afresh, settle, replay,
-    read: every kind of call one record gets."""
+    read, evict and start again on Redis's clock: every kind of call one record gets."""
     now = datetime.now(UTC)
     short = timedelta(seconds=1)
     first = store.reserve(scope, "fp", now=now, lease=short, ttl=TTL)
@@ -220,13 +220,18 @@ def every_verb(store: RedisStore, scope: Scope, settle: Callable[..., None]) -> 
     later = now + timedelta(seconds=2)
     takeover = store.reserve(scope, "fp", now=later, lease=LEASE, ttl=TTL)
     assert isinstance(takeover, Acquired)
-    assert takeover.token == first.token + 1
+    assert takeover.token > first.token
     store.release(scope, takeover.token)
     fresh = store.reserve(scope, "fp", now=later, lease=LEASE, ttl=TTL)
     assert isinstance(fresh, Acquired)
     settle(scope, fresh.token, b"answer", now=later, ttl=TTL)
-    assert not isinstance(store.reserve(scope, "fp", now=later, lease=LEASE, ttl=TTL), Acquired)
+    assert not isinstance(store.reserve(scope, "fp", now=None, lease=LEASE, ttl=TTL), Acquired)
     assert store.get(scope) is not None
+    assert store.evict(scope)
+    again = store.reserve(scope, "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(again, Acquired)
+    assert again.token > fresh.token
+    settle(scope, again.token, b"answer", now=None, ttl=TTL)
 
 
 def test_everything_a_record_touches_is_in_one_slot_on_its_owner(

@@ -27,6 +27,7 @@ from .errors import (
     InvalidKeyError,
     InvalidPayloadError,
     MissingKeyError,
+    PrincipalRequiredError,
     ReplayedFailureError,
     RequestInProgressError,
     RequestTooLargeError,
@@ -34,6 +35,8 @@ from .errors import (
     SchemaMissingError,
     StoreError,
     StoreUnavailableError,
+    TransactionOwnershipError,
+    UnserializableResultError,
 )
 from .guard import AsyncAttempt, AsyncIdempotency, Attempt, Idempotency
 from .policy import Policy
@@ -60,6 +63,7 @@ __all__ = [
     "JsonSerializer",
     "MissingKeyError",
     "Policy",
+    "PrincipalRequiredError",
     "Record",
     "ReplayedFailureError",
     "RequestInProgressError",
@@ -72,7 +76,9 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailableError",
+    "TransactionOwnershipError",
     "TypedSerializer",
+    "UnserializableResultError",
     "derive_key",
     "fingerprint",
     "open_async_store",

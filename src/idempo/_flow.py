@@ -12,25 +12,32 @@ I/O itself, so the sync and async drivers below are the only places that differ.
 from __future__ import annotations
 
 import asyncio
+import dis
 import inspect
+import logging
+import sys
 import time
-from collections.abc import Generator
-from contextlib import suppress
+from collections.abc import Awaitable, Callable, Generator
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Protocol
+from datetime import timedelta
+from types import CodeType
+from typing import Any, Protocol, cast
 
 from ._keys import Scope
 from ._ops import Release, Reserve, Settle
 from ._record import Acquired, InProgress, Mismatch, Record, Replay, Status
 from .errors import (
-    FencedError,
     FingerprintMismatchError,
+    IdempotencyError,
     RequestInProgressError,
     ResponseTooLargeError,
-    StoreError,
+    TransactionOwnershipError,
+    UnserializableResultError,
 )
 from .policy import Policy
+from .stores._units import AsyncUnit as AsyncSqlUnit
+from .stores._units import SyncUnit
 from .stores.base import AsyncUnit, Unit
 
 # How often a caller told to wait re-checks a key that is in progress, at most.
@@ -75,8 +82,9 @@ class Codec(Protocol):
     def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]: ...
 
     def encode_unstorable(self, exc: Exception) -> bytes:
-        """The FAILED response for a result that ran but cannot be stored (too large, or
-        the serializer refused it): deterministic, so a retry must not run the work again."""
+        """The FAILED response for work that took effect but whose outcome cannot be kept:
+        a result too large or refused by the serializer (outside transactional mode), or a
+        block that committed the guard's transaction itself. A retry must not run it again."""
         ...
 
     def decode(self, record: Record) -> Any:
@@ -97,37 +105,108 @@ def guarded_call(
     except GeneratorExit:
         raise
     except BaseException as exc:
-        yield from _abandon(scope, token, *codec.encode_error(exc), policy)
+        yield from _abandon(scope, token, codec, policy, exc)
         raise
     try:
-        status, body = codec.encode_result(value)
-        if status is not None and len(body) > policy.max_response_bytes:
-            raise ResponseTooLargeError(len(body), policy.max_response_bytes)
-    except Exception as exc:
-        yield from _abandon(scope, token, Status.FAILED, codec.encode_unstorable(exc), policy)
+        status, body = _encoded(codec, value, policy)
+    except IdempotencyError as exc:
+        yield from _abandon(scope, token, codec, policy, exc, unstorable=True)
         raise
-    yield _outcome(scope, token, status, body, policy)
+    try:
+        yield _outcome(scope, token, status, body, policy)
+    except TransactionOwnershipError as exc:
+        yield from _settle_owned(scope, token, codec, policy, exc)
+        raise
     return None
 
 
+def _encoded(codec: Codec, value: Any, policy: Policy) -> tuple[Status | None, bytes]:
+    """The outcome to store for the work's result, or a typed error saying why it cannot be."""
+    try:
+        status, body = codec.encode_result(value)
+    except IdempotencyError:
+        raise
+    except Exception as exc:
+        raise UnserializableResultError(f"the result cannot be stored: {exc}") from exc
+    if status is not None and len(body) > policy.max_response_bytes:
+        raise ResponseTooLargeError(len(body), policy.max_response_bytes)
+    return status, body
+
+
 def _abandon(
-    scope: Scope, token: int, status: Status | None, body: bytes, policy: Policy
+    scope: Scope,
+    token: int,
+    codec: Codec,
+    policy: Policy,
+    exc: BaseException,
+    *,
+    unstorable: bool = False,
 ) -> Generator[Op, Any, None]:
-    """Throw the work's writes away, then record the failure or release the key."""
-    # The error being raised matters more than a store's: a reservation left behind still
-    # ends with its lease (or with its transaction, when the connection broke).
-    with suppress(FencedError, StoreError):
-        yield Discard()
+    """Throw the work's writes away, then record the failure or release the key.
+
+    Nothing of idempo's replaces the error being raised: a store that fails here leaves a
+    reservation that ends with its lease (or with its transaction, when the connection
+    broke). Only an app that ended the guard's transaction itself hears of it.
+    """
+    try:
+        undone = yield Discard()
+    except TransactionOwnershipError as ended:
+        yield from _settle_owned(scope, token, codec, policy, ended)
+        raise ended from exc
+    except Exception:  # noqa: BLE001 - see above
+        return
+    if not unstorable:
+        status, body = codec.encode_error(exc)
+    elif undone:
+        # Transactional mode: every write of the work rolled back, so nothing may say it
+        # ran (SPEC §2 rule 10); the retry runs it again.
+        status, body = None, b""
+    else:
+        # The work took effect outside any transaction of the guard's: a retry must not run
+        # it again, so the refusal is what is replayed.
+        status, body = Status.FAILED, codec.encode_unstorable(cast(Exception, exc))
+    with suppress(Exception):
         yield _outcome(scope, token, status, body, policy)
+
+
+def _settle_owned(
+    scope: Scope, token: int, codec: Codec, policy: Policy, error: TransactionOwnershipError
+) -> Generator[Op, Any, None]:
+    """The app committed the guard's transaction inside the block: what it committed stays,
+    so the key is recorded FAILED and never runs again. (After a rollback by the app there is
+    no reservation left, and the fenced settle finds nothing.)"""
+    with suppress(Exception):
+        yield Settle(
+            scope, token, Status.FAILED, codec.encode_unstorable(error), policy.now(), policy.ttl
+        )
+
+
+def _stopwatch(policy: Policy) -> Callable[[], timedelta]:
+    """Time spent since now: on the injected clock (a test's, moved by its sleep), else on
+    the monotonic clock, which no wall-clock step can stretch or shrink."""
+    clock = policy.clock
+    if clock is not None:
+        started = clock()
+        return lambda: clock() - started
+    start = time.monotonic()
+    return lambda: timedelta(seconds=time.monotonic() - start)
 
 
 def _reserve(
     scope: Scope, fingerprint: str, policy: Policy
 ) -> Generator[Op, Any, Acquired | Replay]:
-    deadline: datetime | None = None
+    wait = policy.wait
+    elapsed = None if wait is None else _stopwatch(policy)
+    lock_timeout = None
     while True:
-        now = policy.clock()
-        reservation = yield Reserve(scope, fingerprint, now, policy.lease, policy.ttl)
+        if elapsed is not None and wait is not None:
+            # Every wait counts against the caller's, row-lock waits included: a
+            # reservation waits on a lock no longer than what is left.
+            left = max(wait - elapsed(), timedelta(0))
+            lock_timeout = left if left < policy.lock_timeout else None
+        reservation = yield Reserve(
+            scope, fingerprint, policy.now(), policy.lease, policy.ttl, lock_timeout
+        )
         if not isinstance(reservation, Acquired):
             yield Discard()  # nothing will be written: end the transaction, if there is one
         match reservation:
@@ -136,10 +215,9 @@ def _reserve(
             case Mismatch():
                 raise FingerprintMismatchError(scope.key)
             case InProgress(retry_after=retry_after):
-                if policy.wait is None:
+                if elapsed is None or wait is None:
                     raise RequestInProgressError(scope.key, retry_after)
-                deadline = deadline or now + policy.wait
-                remaining = (deadline - now).total_seconds()
+                remaining = (wait - elapsed()).total_seconds()
                 if remaining <= 0:
                     raise RequestInProgressError(scope.key, retry_after)
                 yield Sleep(min(retry_after, remaining, _POLL_SECONDS))
@@ -150,7 +228,7 @@ def _outcome(
 ) -> Settle | Release:
     if status is None:
         return Release(scope, token)
-    return Settle(scope, token, status, body, policy.clock(), policy.ttl)
+    return Settle(scope, token, status, body, policy.now(), policy.ttl)
 
 
 def _invoke(unit: Any, op: Op) -> Any:
@@ -161,6 +239,15 @@ def _invoke(unit: Any, op: Op) -> Any:
     either would cost more than the memory store's whole verb.
     """
     if isinstance(op, Reserve):
+        if op.lock_timeout is not None and isinstance(unit, _BOUNDS_LOCK_WAITS):
+            return unit.reserve(
+                op.scope,
+                op.fingerprint,
+                now=op.now,
+                lease=op.lease,
+                ttl=op.ttl,
+                lock_timeout=op.lock_timeout,
+            )
         return unit.reserve(op.scope, op.fingerprint, now=op.now, lease=op.lease, ttl=op.ttl)
     if isinstance(op, Settle):
         verb = unit.complete if op.status == Status.COMPLETED else unit.fail
@@ -170,6 +257,11 @@ def _invoke(unit: Any, op: Op) -> Any:
     if isinstance(op, Discard):
         return unit.discard()
     raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
+
+
+# The units that can bound one reservation's row-lock wait (SQL transactions on the app's
+# connection); the others never wait on a lock held by a transaction.
+_BOUNDS_LOCK_WAITS = (SyncUnit, AsyncSqlUnit)
 
 
 def _sleep(op: Sleep, policy: Policy) -> object:
@@ -207,24 +299,181 @@ def pump(flow: Flow, unit: Unit, policy: Policy, op: Op) -> Execute | Done:
     return op
 
 
-async def apump(flow: Flow, unit: AsyncUnit, policy: Policy, op: Op) -> Execute | Done:
-    """The asynchronous twin of `pump`.
+# How long, at most, a cancelled caller waits for the guard's own store operations (the one
+# under way when it was cancelled, then the release or settle that follows) before it gives
+# up on a hung store. The key then frees when its lease ends. Seconds.
+CLEANUP_TIMEOUT = 5.0
 
-    The flow's StopIteration is caught here: one that escaped a coroutine would turn into a
-    RuntimeError (PEP 479).
+_logger = logging.getLogger("idempo")
+
+
+class _GaveUp(Exception):
+    """A store operation outlived `CLEANUP_TIMEOUT` after the caller was cancelled."""
+
+
+# Whether a coroutine's code can suspend at all, per code object.
+_SUSPENDS: dict[CodeType, bool] = {}
+
+
+def _suspends(awaitable: Awaitable[Any]) -> bool:
+    """False only for a coroutine whose code has no await at all (the memory store's verbs,
+    a unit's no-op discard): it runs to its end in one step, so no cancellation can reach
+    it, and it needs no task of its own (which would cost more than the verb)."""
+    code = getattr(awaitable, "cr_code", None)
+    if code is None:
+        return True
+    known = _SUSPENDS.get(code)
+    if known is None:
+        # Every suspension point (await, async with, async for) compiles to YIELD_VALUE.
+        known = any(i.opname == "YIELD_VALUE" for i in dis.get_instructions(code))
+        _SUSPENDS[code] = known
+    return known
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark an abandoned operation's outcome as seen, so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _shielded() -> AbstractContextManager[object]:
+    """While a cancelled caller waits for its cleanup: anyio's cancel scopes cancel the task
+    again at every await until they exit, so inside one the wait is shielded from them."""
+    anyio = sys.modules.get("anyio")
+    if anyio is None:
+        return nullcontext()
+    scope: AbstractContextManager[object] = anyio.CancelScope(shield=True)
+    return scope
+
+
+class _Cancellation:
+    """The caller's cancellation, held while the guard's own store operations finish.
+
+    Each operation that may suspend runs in a task of its own, so a cancellation (asyncio's
+    task cancel or timeout, anyio's scopes, which cancel again at every await) never cuts it
+    short: the flow always learns its result (a reservation taken, a completion stored) and
+    releases what it holds. The cancellation is delivered afterwards, the same exception and
+    never uncancelled, so `asyncio.timeout` and anyio's scopes still see their own.
     """
-    try:
-        while not isinstance(op, Execute):
+
+    __slots__ = ("deadline", "error")
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error: BaseException | None = None
+        self.deadline = 0.0
+        if error is not None:
+            self.hold(error)
+
+    def hold(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+            self.deadline = asyncio.get_running_loop().time() + CLEANUP_TIMEOUT
+
+    async def perform(self, unit: AsyncUnit, policy: Policy, op: Op) -> Any:
+        """Carry out one operation; a wait is never shielded (nothing is held meanwhile)."""
+        if isinstance(op, Sleep):
+            await _asleep(op, policy)
+            return None
+        return await self.complete(_invoke(unit, op))
+
+    async def complete(self, awaitable: Awaitable[Any]) -> Any:
+        """The operation's result, however often the caller is cancelled meanwhile."""
+        if not _suspends(awaitable):
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        if self.error is None:
+            waiter = task.get_loop().create_future()
+            task.add_done_callback(lambda _: _wake(waiter))
             try:
-                if isinstance(op, Sleep):
-                    await _asleep(op, policy)
-                    result = None
-                else:
-                    result = await _invoke(unit, op)
+                await waiter  # cancelling the caller cancels this waiter, never the task
+            except asyncio.CancelledError as exc:
+                self.hold(exc)
+        if not task.done():
+            await self._outlast(task)
+        return task.result()
+
+    async def _outlast(self, task: asyncio.Future[Any]) -> None:
+        loop = task.get_loop()
+        with _shielded():
+            while not task.done():
+                remaining = self.deadline - loop.time()
+                if remaining <= 0:
+                    _logger.warning(
+                        "idempo: the store did not answer within %s s of a cancellation;"
+                        " the key stays in progress until its lease ends",
+                        CLEANUP_TIMEOUT,
+                    )
+                    task.add_done_callback(_retrieve)
+                    task.cancel()
+                    raise _GaveUp
+                # Cancelled again: the first cancellation is the one delivered.
+                with suppress(asyncio.CancelledError):
+                    await asyncio.wait((task,), timeout=remaining)
+
+
+async def outlasting(awaitable: Awaitable[Any]) -> Any:
+    """One store operation outside the flow (a renewal), run as the flow runs its own: to
+    its end however the caller is cancelled meanwhile (bounded), then the cancellation."""
+    held = _Cancellation(None)
+    try:
+        result = await held.complete(awaitable)
+    except BaseException:
+        if held.error is None:
+            raise
+        # Given up on, or failed after the caller was cancelled: the cancellation wins.
+        raise held.error  # noqa: B904 - the operation's error is its context
+    if held.error is not None:
+        raise held.error
+    return result
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+async def apump(
+    flow: Flow,
+    unit: AsyncUnit,
+    policy: Policy,
+    op: Op,
+    *,
+    cancelled: BaseException | None = None,
+) -> Execute | Done:
+    """The asynchronous twin of `pump`; ``cancelled``: the caller is being cancelled already
+    (the work was), so every operation is its cleanup, shielded and bounded.
+
+    A cancellation during a store operation is held until that operation ends, then thrown
+    into the flow where it can act on it (the work about to start, a wait about to begin):
+    the flow releases the key, then the cancellation propagates. The flow's StopIteration is
+    caught here: one that escaped a coroutine would turn into a RuntimeError (PEP 479).
+    """
+    held = _Cancellation(cancelled)
+    try:
+        while held.error is not None or not isinstance(op, Execute):
+            if held.error is not None and isinstance(op, Execute | Sleep):
+                op = flow.throw(held.error)
+                continue
+            try:
+                result = await held.perform(unit, policy, op)
+            except _GaveUp:
+                flow.close()
+                break
             except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
                 op = flow.throw(exc)
             else:
                 op = flow.send(result)
+        else:
+            return op
     except StopIteration as stop:
-        return Done(stop.value)
-    return op
+        if held.error is None:
+            return Done(stop.value)
+    except BaseException as exc:
+        if held.error is None or isinstance(exc, asyncio.CancelledError):
+            raise
+        # The flow ended in an error (the app's, a refusal) after the caller was cancelled:
+        # the cancellation wins, as at any await in an except block, with the error as its
+        # context.
+        raise held.error  # noqa: B904 - the context is the point
+    assert held.error is not None
+    raise held.error

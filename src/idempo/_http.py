@@ -40,6 +40,7 @@ from .errors import (
     PrincipalRequiredError,
     RequestInProgressError,
     RequestTooLargeError,
+    SchemaMissingError,
     StoreError,
 )
 from .policy import Policy
@@ -818,6 +819,16 @@ def problem_for(
                 "The request was not processed: the record stored for this Idempotency-Key "
                 "cannot be decoded, and every retry gets this answer until an operator "
                 "evicts it (idempo evict; the server's log names the record).",
+                headers=[_retry_after(store_retry_after)],
+            )
+        case SchemaMissingError():
+            return problem(
+                503,
+                "schema-missing",
+                "Idempotency store not set up",
+                "The request was not processed: the idempotency store has no records table "
+                "yet. An operator must run `idempo migrate` (the server's log names the "
+                "store); retry with the same key afterwards.",
                 headers=[_retry_after(store_retry_after)],
             )
         case StoreError():

@@ -1,6 +1,7 @@
 """The operations on a record, as values: what the flow asks for and the stores carry out.
 
 Passing one value instead of five arguments keeps every layer's signatures short and alike.
+``now`` None means the store's clock (SPEC §2 rule 9); a datetime is a clock the app injected.
 They are made and read on every guarded call and never changed, so they are plain slotted
 dataclasses: a frozen one spends about a microsecond more per instance on its setattr guard.
 """
@@ -16,13 +17,15 @@ from ._record import Status
 
 @dataclass(slots=True)
 class Reserve:
-    """Take the key, or learn what holds it."""
+    """Take the key, or learn what holds it. ``lock_timeout``: at most this long waiting on
+    another attempt's row lock (a caller with a deadline); None: the unit's own bound."""
 
     scope: Scope
     fingerprint: str
-    now: datetime
+    now: datetime | None
     lease: timedelta
     ttl: timedelta
+    lock_timeout: timedelta | None = None
 
 
 @dataclass(slots=True)
@@ -33,7 +36,7 @@ class Settle:
     token: int
     status: Status
     response: bytes
-    now: datetime
+    now: datetime | None
     ttl: timedelta
 
 
@@ -51,5 +54,5 @@ class Renew:
 
     scope: Scope
     token: int
-    now: datetime
+    now: datetime | None
     lease: timedelta

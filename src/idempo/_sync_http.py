@@ -44,6 +44,7 @@ from .errors import (
     MissingKeyError,
     RequestTooLargeError,
     ResponseTooLargeError,
+    SchemaMissingError,
     StoreError,
 )
 from .guard import Attempt, Idempotency
@@ -174,8 +175,9 @@ class SyncHttpGuard:
         )
         try:
             attempt = once.__enter__()
-        except CorruptRecordError as exc:
-            # Never fail open here: the record may say the work already ran.
+        except (CorruptRecordError, SchemaMissingError) as exc:
+            # Never fail open here: the record may say the work already ran, and a missing
+            # schema is a deployment to fix, not an outage to run through.
             logger.error("idempo: %s", exc)  # noqa: TRY400 - the error is the message
             return self.problem(exc)
         except StoreError as exc:

@@ -44,10 +44,12 @@ from ._renewal import Renewal as _Renewal
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
+    FencedError,
     IdempotencyError,
     MissingKeyError,
     RequestTooLargeError,
     ResponseTooLargeError,
+    SchemaMissingError,
     StoreError,
     StoreUnavailableError,
 )
@@ -347,8 +349,9 @@ class _Exchange:
                 codec=mw.codec,
             )
             attempt: AsyncAttempt = await self.once.__aenter__()
-        except CorruptRecordError as exc:
-            # Never fail open here: the record may say the work already ran.
+        except (CorruptRecordError, SchemaMissingError) as exc:
+            # Never fail open here: the record may say the work already ran, and a missing
+            # schema is a deployment to fix, not an outage to run through.
             logger.error("idempo: %s", exc)  # noqa: TRY400 - the error is the message
             await self._answer(mw.problem(exc))
             return None
@@ -384,7 +387,7 @@ class _Exchange:
             # answered as such rather than passed on to the server as a cancelled request.
             lost = self.renewal.fenced(exc)
             await self.once.__aexit__(type(lost), lost, lost.__traceback__)
-            if lost is exc:
+            if not isinstance(lost, FencedError):
                 raise
             if not self.streaming:
                 await self._answer(self.mw.problem(lost))

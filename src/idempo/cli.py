@@ -1,7 +1,14 @@
-"""The ``idempo`` command: demo, migrate, purge, inspect, stats."""
+"""The ``idempo`` command: demo, migrate, purge, inspect, stats, evict.
+
+Every error is one line on stderr and a non-zero exit (no traceback unless ``--debug``):
+1 nothing found (``inspect``, ``evict``), 2 bad input (a URL, a key, an option), 3 the store
+failed (unreachable, a file that cannot be opened, a schema never migrated), 1 anything else.
+"""
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -9,30 +16,92 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ._keys import Scope
-from .errors import IdempotencyError
-from .stores import open_store
+from .errors import ConfigurationError, InvalidKeyError, StoreError
+from .stores import MIGRATE_HINT, open_store
 
 app = typer.Typer(help="idempo: make retries safe.", no_args_is_help=True, add_completion=False)
 console = Console()
 
 StoreUrl = Annotated[str, typer.Argument(help="store URL, e.g. sqlite:///app.db or postgresql://…")]
+Key = Annotated[str, typer.Argument(help="the idempotency key")]
+Operation = Annotated[str, typer.Option(help="the operation the key is scoped to")]
+Principal = Annotated[str, typer.Option(help="the principal (default: anonymous)")]
+
+NOT_FOUND, BAD_INPUT, STORE_FAILED, FAILED = 1, 2, 3, 1
+
+
+class _Settings:
+    debug = False
+
+
+@app.callback()
+def _options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="on an error, show the traceback too")
+    ] = False,
+) -> None:
+    _Settings.debug = debug
+    # psycopg's pool logs each failed connection attempt from its own threads; the error
+    # the command prints says why it could not connect.
+    logging.getLogger("psycopg.pool").disabled = not debug
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    # Plain text, not rich markup: messages carry brackets (pip install 'idempo[postgres]').
+    typer.echo(f"{typer.style('error:', fg='red')} {message}", err=True)
+    return typer.Exit(code)
+
+
+_EVICT_URL = re.compile(r"idempo evict (?:URL|STORE-URL|<store URL>) ")
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password, to print."""
+    return re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", url)
 
 
 @contextmanager
-def _store(url: str) -> Iterator[Any]:
+def _reported(url: str | None = None) -> Iterator[None]:
+    """Errors of the block as one line and an exit code; with --debug, as they are."""
     try:
-        store = open_store(url)
-    except IdempotencyError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    try:
-        yield store
-    finally:
-        store.close()  # a pool left to the garbage collector complains from its threads
+        yield
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        if _Settings.debug:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if url is not None:
+            # The store's message names the command to run; here the URL is known.
+            message = message.replace(MIGRATE_HINT, f"idempo migrate {_redacted(url)!r}")
+            message = _EVICT_URL.sub(f"idempo evict {_redacted(url)!r} ", message)
+        if isinstance(exc, ConfigurationError | InvalidKeyError):
+            raise _fail(message, BAD_INPUT) from exc
+        if isinstance(exc, StoreError):
+            raise _fail(message, STORE_FAILED) from exc
+        hint = " (run with --debug for the traceback)"
+        raise _fail(f"{type(exc).__name__}: {message}{hint}", FAILED) from exc
+
+
+@contextmanager
+def _store(url: str, *, read_only: bool = False, create: bool = True) -> Iterator[Any]:
+    with _reported(url):
+        store = open_store(url, read_only=read_only, create=create)
+        try:
+            yield store
+        finally:
+            store.close()  # a pool left to the garbage collector complains from its threads
+
+
+def _scope(key: str, operation: str, principal: str) -> Scope:
+    with _reported():
+        return Scope.of(key, operation=operation, principal=principal)
 
 
 @app.command()
@@ -56,16 +125,26 @@ def demo(
 
     With --serve, only serve the API (docs at /docs, the OpenAPI document at /openapi.json).
     """
+    with _reported(store):
+        _demo(store, intents, retries, concurrency, crash=crash, serve=serve, host=host, port=port)
+
+
+def _demo(store: str | None, intents: int, retries: int, concurrency: int, *, crash: bool,
+          serve: bool, host: str, port: int) -> None:  # fmt: skip
+    try:
+        from . import demo as storm  # noqa: PLC0415 - keeps the other commands fast to start
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the demo needs its extra ({exc}): pip install 'idempo[demo]'"
+        ) from exc
     if serve:
         _serve(store, host, port)
         return
-    from .demo import run_storm  # noqa: PLC0415 - keeps the other commands fast to start
-
     with Progress(
         TextColumn("storm"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
         task = progress.add_task("storm", total=None)
-        report = run_storm(
+        report = storm.run_storm(
             store,
             intents=intents,
             retries=retries,
@@ -85,7 +164,8 @@ def _serve(store: str | None, host: str, port: int) -> None:
     from .example.server import serve  # noqa: PLC0415 - needs the demo extra
 
     url = store or "sqlite:///idempo-example.db"
-    console.print(f"example payments API on http://{host}:{port}  (docs: /docs, store: {url})")
+    where = escape(f"http://{host}:{port}  (docs: /docs, store: {_redacted(url)})")
+    console.print(f"example payments API on {where}")
     serve(url, host=host, port=port)
 
 
@@ -118,60 +198,58 @@ def _print_report(report: Any) -> None:
 
 @app.command()
 def migrate(url: StoreUrl) -> None:
-    """Create the records table (SQL stores)."""
+    """Create the records table and what it needs (SQL stores); safe to run again."""
     with _store(url) as store:
         if not hasattr(store, "migrate"):
-            console.print(f"{type(store).__name__} keeps no schema; nothing to do")
+            console.print(f"{escape(type(store).__name__)} keeps no schema; nothing to do")
             return
         store.migrate()
-        console.print(f"[green]migrated[/green] {store.dialect.table}")
+        console.print(f"[green]migrated[/green] {escape(store.dialect.table)}")
 
 
 @app.command()
 def purge(
     url: StoreUrl,
     before: Annotated[
-        datetime | None, typer.Option(help="purge records expired before this (default: now)")
+        datetime | None,
+        typer.Option(help="purge records expired before this (default: the store's now)"),
     ] = None,
     batch: Annotated[int, typer.Option(min=1, help="records per delete")] = 1000,
 ) -> None:
     """Delete expired records in bounded batches."""
-    cutoff = (before or datetime.now(UTC)).astimezone(UTC)
+    cutoff = None if before is None else before.astimezone(UTC)
     total = 0
-    with _store(url) as store:
+    with _store(url, create=False) as store:
         while (deleted := store.purge(before=cutoff, limit=batch)) > 0:
             total += deleted
             if deleted < batch:
                 break
-    console.print(f"purged {total} record(s) expired before {cutoff.isoformat()}")
+    when = "now (the store's clock)" if cutoff is None else cutoff.isoformat()
+    console.print(f"purged {total} record(s) expired before {escape(when)}")
 
 
 @app.command()
-def inspect(
-    url: StoreUrl,
-    key: Annotated[str, typer.Argument(help="the idempotency key")],
-    operation: Annotated[str, typer.Option(help="the operation the key is scoped to")],
-    principal: Annotated[str, typer.Option(help="the principal (default: anonymous)")] = "",
-) -> None:
+def inspect(url: StoreUrl, key: Key, operation: Operation, principal: Principal = "") -> None:
     """Show one record."""
-    with _store(url) as store:
-        record = store.get(Scope.of(key, operation=operation, principal=principal))
+    scope = _scope(key, operation, principal)
+    with _store(url, read_only=True) as store:
+        record = store.get(scope)
     if record is None:
         console.print("no record")
-        raise typer.Exit(1)
+        raise typer.Exit(NOT_FOUND)
     table = Table(show_header=False)
     for name in ("status", "token", "fingerprint", "lease_expires_at", "created_at",
                  "updated_at", "expires_at", "recovery_point"):  # fmt: skip
-        table.add_row(name, str(getattr(record, name)))
+        table.add_row(name, Text(str(getattr(record, name))))
     body = record.response or b""
-    table.add_row("response", f"{len(body)} bytes: {body[:200]!r}")
+    table.add_row("response", Text(f"{len(body)} bytes: {body[:200]!r}"))
     console.print(table)
 
 
 @app.command()
 def stats(url: StoreUrl) -> None:
     """Count records per state."""
-    with _store(url) as store:
+    with _store(url, read_only=True) as store:
         counts = store.stats()
     table = Table()
     table.add_column("state")
@@ -179,6 +257,22 @@ def stats(url: StoreUrl) -> None:
     for state in ("in_progress", "completed", "failed"):
         table.add_row(state, str(counts.get(state, 0)))
     console.print(table)
+
+
+@app.command()
+def evict(url: StoreUrl, key: Key, operation: Operation, principal: Principal = "") -> None:
+    """Delete one record whatever its state (a corrupt record, an operator's decision).
+
+    A retry of the key then runs the work again; its tokens still grow past the evicted
+    record's.
+    """
+    scope = _scope(key, operation, principal)
+    with _store(url, create=False) as store:
+        evicted = store.evict(scope)
+    if not evicted:
+        console.print("no record")
+        raise typer.Exit(NOT_FOUND)
+    console.print(f"evicted the record of key {escape(repr(key))} ({escape(operation)})")
 
 
 def main() -> None:

@@ -99,11 +99,11 @@ from .errors import (
     ConfigurationError,
     FencedError,
     FingerprintMismatchError,
-    IdempotencyError,
     InvalidKeyError,
     ReplayedFailureError,
     RequestInProgressError,
     StoreError,
+    TransactionOwnershipError,
 )
 from .guard import AsyncIdempotency, Attempt, Idempotency, _FunctionCodec
 from .serializers import Serializer
@@ -376,7 +376,10 @@ class _Consumer:
         if published is not None:
             if published.tzinfo is None:
                 published = published.replace(tzinfo=UTC)
-            if self.idempotency.policy.clock() - published > self.idempotency.policy.ttl:
+            # The publisher's clock against this host's (or the injected one): the store's
+            # clock is not at hand before a reservation.
+            now = self.idempotency.policy.now() or datetime.now(UTC)
+            if now - published > self.idempotency.policy.ttl:
                 return Outcome(Reason.EXPIRED, self.on_expired, key)
         return key
 
@@ -421,7 +424,7 @@ class _Consumer:
 
     def _failed(self, key: str, exc: Exception) -> Outcome:
         """The outcome when the handler raised (the guard has released or recorded)."""
-        if self.deterministic(exc):
+        if self.deterministic(exc) or isinstance(exc, TransactionOwnershipError):
             return Outcome(Reason.FAILED, self.on_failure, key, error=exc)
         return self._requeue(Reason.TRANSIENT, key, exc)
 
@@ -545,10 +548,10 @@ class AsyncConsumer(_Consumer):
                     if renewal is not None:
                         await renewal.stop()
             except BaseException as exc:
-                await _aleave(once, exc)
+                error = await _aleave(once, exc)
                 if not isinstance(exc, Exception):
                     raise
-                return self._report(self._failed(key, exc), envelope)
+                return self._report(self._failed(key, error or exc), envelope)
             try:
                 await once.__aexit__(None, None, None)
             except Exception as exc:  # noqa: BLE001 - a failure to record becomes an outcome
@@ -598,10 +601,10 @@ class Consumer(_Consumer):
                     if renewal is not None:
                         renewal.stop()
             except BaseException as exc:
-                _leave(once, exc)
+                error = _leave(once, exc)
                 if not isinstance(exc, Exception):
                     raise
-                return self._report(self._failed(key, exc), envelope)
+                return self._report(self._failed(key, error or exc), envelope)
             try:
                 once.__exit__(None, None, None)
             except Exception as exc:  # noqa: BLE001 - a failure to record becomes an outcome
@@ -609,19 +612,30 @@ class Consumer(_Consumer):
             return self._answered(Reason.EXECUTED, key, attempt, envelope)
 
 
-async def _aleave(once: Any, exc: BaseException) -> None:
-    """Hand the handler's exception to the guard: it releases the key or records the failure."""
+async def _aleave(once: Any, exc: BaseException) -> TransactionOwnershipError | None:
+    """Hand the handler's exception to the guard: it releases the key or records the failure.
+
+    Returns the guard's TransactionOwnershipError when the handler committed the guard's
+    transaction itself (the failure is then recorded: the message is handled for good), for
+    the outcome to carry instead of the handler's own error.
+    """
     try:
         await once.__aexit__(type(exc), exc, exc.__traceback__)
-    except IdempotencyError as fault:
-        # The guard already swallows store faults here; anything left is logged, not raised
-        # over the handler's own error. The key then frees with its lease or transaction.
+    except TransactionOwnershipError as owned:
+        return owned
+    except Exception as fault:  # noqa: BLE001 - never raised over the handler's own error
+        # The guard already swallows store faults here; anything left is logged. The key then
+        # frees with its lease or transaction.
         logger.warning("idempo: could not settle after a handler error: %s", fault)
+    return None
 
 
-def _leave(once: Any, exc: BaseException) -> None:
+def _leave(once: Any, exc: BaseException) -> TransactionOwnershipError | None:
     """The synchronous twin of `_aleave`."""
     try:
         once.__exit__(type(exc), exc, exc.__traceback__)
-    except IdempotencyError as fault:
+    except TransactionOwnershipError as owned:
+        return owned
+    except Exception as fault:  # noqa: BLE001
         logger.warning("idempo: could not settle after a handler error: %s", fault)
+    return None

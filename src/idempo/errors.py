@@ -2,6 +2,7 @@
 
     IdempotencyError                       root
     ├── ConfigurationError                 bad URL, missing extra, store lacks a capability
+    │   └── TransactionOwnershipError      the guarded block committed the guard's transaction
     ├── StoreError                         the store failed; the driver's error is __cause__
     │   ├── StoreUnavailableError          cannot reach the store (connection, timeout): retry later
     │   ├── SchemaMissingError             the records table is not there: run `idempo migrate`
@@ -10,7 +11,9 @@
     │   └── MissingKeyError (400)          a key is required and the request has none
     ├── RequestTooLargeError (413)         a request body over the limit for guarded requests
     ├── InvalidPayloadError (400)          the payload cannot be fingerprinted
+    ├── PrincipalRequiredError (401)       the app's principal resolver could not say who asked
     ├── ResponseTooLargeError              the result is bigger than the store may keep
+    ├── UnserializableResultError          the serializer cannot store the result
     ├── FencedError                        this attempt lost its lease; its writes were refused
     ├── ReplayedFailureError               the first execution failed deterministically; replayed
     └── ConflictError
@@ -32,6 +35,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidPayloadError",
     "MissingKeyError",
+    "PrincipalRequiredError",
     "ReplayedFailureError",
     "RequestInProgressError",
     "RequestTooLargeError",
@@ -39,6 +43,8 @@ __all__ = [
     "SchemaMissingError",
     "StoreError",
     "StoreUnavailableError",
+    "TransactionOwnershipError",
+    "UnserializableResultError",
 ]
 
 
@@ -167,3 +173,26 @@ class FingerprintMismatchError(ConflictError):
     def __init__(self, key: str) -> None:
         super().__init__(f"key {key!r} was already used with a different payload")
         self.key = key
+
+
+class PrincipalRequiredError(IdempotencyError):
+    """The app's principal resolver returned None (it could not say who asked) and the
+    middleware does not allow anonymous callers: the request is refused, never run under a
+    principal shared with other callers."""
+
+    status_code = 401
+
+
+class UnserializableResultError(IdempotencyError):
+    """The policy's serializer cannot turn the result into stored bytes; its own error is
+    ``__cause__``. In transactional mode the work's writes roll back and the key is released;
+    elsewhere the work already took effect, so the failure is recorded and replayed."""
+
+    status_code = 500
+
+
+class TransactionOwnershipError(ConfigurationError):
+    """The guarded block committed (or rolled back) the transaction the guard owns on the app's
+    connection. What it committed stays committed, and the key is recorded FAILED so that no
+    retry runs the work again. Leave commit and rollback to the guard; use a savepoint (a
+    nested transaction) to undo part of the work."""

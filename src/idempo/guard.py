@@ -15,6 +15,7 @@ return attempt.result
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -25,10 +26,17 @@ from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, cast
 
 from ._fingerprint import fingerprint
-from ._flow import Codec, Done, Execute, Flow, apump, guarded_call, pump
+from ._flow import Codec, Done, Execute, Flow, apump, guarded_call, outlasting, pump
+from ._http import evict_hint
 from ._keys import Scope
 from ._record import Record, Status
-from .errors import ConfigurationError, IdempotencyError, ReplayedFailureError
+from .errors import (
+    ConfigurationError,
+    CorruptRecordError,
+    FencedError,
+    IdempotencyError,
+    ReplayedFailureError,
+)
 from .policy import Policy
 from .serializers import Serializer, TypedSerializer
 from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
@@ -57,10 +65,19 @@ class _FunctionCodec:
         return json.dumps(failure).encode()
 
     def decode(self, record: Record) -> Any:
-        if record.status is Status.FAILED:
+        try:
+            if record.status is not Status.FAILED:
+                return self.serializer.loads(record.response or b"null")
             failure = json.loads(record.response or b"{}")
-            raise ReplayedFailureError(failure.get("error", "?"), failure.get("detail", ""))
-        return self.serializer.loads(record.response or b"null")
+            error, detail = str(failure.get("error", "?")), str(failure.get("detail", ""))
+        except Exception as exc:
+            # Nothing runs and nothing is replayed until an operator evicts the record.
+            raise CorruptRecordError(
+                f"the stored {record.status.value} record of key {record.scope.key!r} cannot"
+                f" be decoded ({type(exc).__name__}: {exc}); evict it:"
+                f" {evict_hint(record.scope)}"
+            ) from exc
+        raise ReplayedFailureError(error, detail)
 
 
 class Attempt:
@@ -74,6 +91,9 @@ class Attempt:
             replayed to every retry.
         token: this attempt's fencing token (None on a replay).
         recovery_point: the last step a previous, taken-over attempt recorded, if any.
+        lease_lost: True once a renewal was refused (a background one included): another
+            attempt took the key over and this one's outcome will be refused. Long work
+            checks it, or calls `renew`, before each step it cannot take back.
     """
 
     def __init__(
@@ -91,22 +111,47 @@ class Attempt:
         self.token = token
         self.recovery_point = recovery_point
         self._renew: Callable[[], Any] | None = None
+        self._lost: FencedError | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.scope.key!r} replayed={self.replayed}>"
 
+    @property
+    def lease_lost(self) -> bool:
+        return self._lost is not None
+
     def renew(self) -> None:
-        """Extend this attempt's lease (long work). Raises `FencedError` if it was lost."""
+        """Extend this attempt's lease (long work). Raises `FencedError` if it was lost: at
+        once, with no round trip, once any renewal found it lost."""
+        self._check_lease()
         if self._renew is not None:
-            self._renew()
+            try:
+                self._renew()
+            except FencedError as exc:
+                self._lose(exc)
+                raise
+
+    def _check_lease(self) -> None:
+        if self._lost is not None:
+            # A fresh error each time: the work and a renewal thread may both raise it.
+            raise FencedError(str(self._lost))
+
+    def _lose(self, exc: FencedError) -> None:
+        if self._lost is None:
+            self._lost = exc
 
 
 class AsyncAttempt(Attempt):
     """The asynchronous twin of `Attempt`: ``await attempt.renew()``."""
 
     async def renew(self) -> None:  # type: ignore[override]
+        self._check_lease()
         if self._renew is not None:
-            await self._renew()
+            try:
+                await outlasting(self._renew())
+            except FencedError as exc:
+                self._lose(exc)
+                raise
 
 
 class _Call:
@@ -150,7 +195,7 @@ class _Call:
 
     def _renew(self) -> Any:
         policy = self.policy
-        return self.unit.renew(self.scope, self.token, now=policy.clock(), lease=policy.lease)
+        return self.unit.renew(self.scope, self.token, now=policy.now(), lease=policy.lease)
 
     def started(self, step: Execute | Done) -> Attempt:
         """The attempt a block works with: executing, or replaying the record the flow found."""
@@ -217,8 +262,13 @@ class _AsyncOnce:
         call = self._call
         if call.attempt is None or call.attempt.replayed:
             return False
+        # A cancelled work's cleanup is shielded and bounded from its first operation: anyio
+        # scopes cancel every await again, and a hung store must not hold the caller.
+        cancelled = exc if isinstance(exc, asyncio.CancelledError) else None
         try:
-            step = await apump(call.flow, call.unit, call.policy, call.resume(exc))
+            step = await apump(
+                call.flow, call.unit, call.policy, call.resume(exc), cancelled=cancelled
+            )
         except BaseException as raised:
             if raised is exc:
                 return False
@@ -249,13 +299,13 @@ class _Leased:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def discard(self) -> None:
-        pass
+    def discard(self) -> bool:
+        return False  # the work's effects are its own, out of any transaction of idempo's
 
 
 class _AsyncLeased(_Leased):
-    async def discard(self) -> None:  # type: ignore[override]
-        pass
+    async def discard(self) -> bool:  # type: ignore[override]
+        return False
 
 
 class _Decorated:

@@ -15,7 +15,8 @@ __all__ = ["Policy", "utcnow"]
 
 
 def utcnow() -> datetime:
-    """The current time as an aware UTC datetime; the default clock."""
+    """The current time as an aware UTC datetime: a clock to inject (the default is None,
+    the store's own clock)."""
     return datetime.now(UTC)
 
 
@@ -35,7 +36,9 @@ class Policy:
             `ReplayedFailureError`). Any other exception releases the key so a retry runs again.
         max_response_bytes: a larger result is refused with `ResponseTooLargeError`.
         serializer: turns results into stored bytes and back.
-        clock: the current time (aware UTC); inject a fake one in tests.
+        clock: the current time (aware UTC), injected (tests, simulations): it then decides
+            leases and retention on every store. None (the default): the store's own clock
+            decides where it has one (PostgreSQL, MariaDB, Redis), else the host's.
         sleep: how to wait between polls (``wait``); None means the driver's own sleep
             (``time.sleep``, or ``asyncio.sleep`` in async code). Inject a fake clock's
             ``sleep`` in tests; in async code it may return an awaitable.
@@ -51,7 +54,7 @@ class Policy:
     fail_on: tuple[type[BaseException], ...] = ()
     max_response_bytes: int = 1024 * 1024
     serializer: Serializer = field(default_factory=JsonSerializer)
-    clock: Callable[[], datetime] = utcnow
+    clock: Callable[[], datetime] | None = None
     sleep: Callable[[float], object] | None = None
 
     def __post_init__(self) -> None:
@@ -59,6 +62,11 @@ class Policy:
             raise ConfigurationError("lease and ttl must be positive")
         if self.max_response_bytes < 0:
             raise ConfigurationError("max_response_bytes cannot be negative")
+
+    def now(self) -> datetime | None:
+        """The injected clock's time, or None: the store's clock decides (SPEC §2 rule 9)."""
+        clock = self.clock
+        return None if clock is None else clock()
 
     def replace(self, **changes: Any) -> Policy:
         """A copy with some fields changed."""

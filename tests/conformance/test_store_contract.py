@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Awaitable, Callable
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio.to_thread
@@ -110,14 +110,18 @@ async def check_fenced_out(h: Harness, token: int, body: bytes) -> None:
 # -- reservation -------------------------------------------------------------------------
 
 
-async def test_fresh_reserve_acquires_token_one(h: Harness) -> None:
-    """The first reservation of a scope acquires it with token 1 and no recovery point."""
-    assert await h.reserve(scope(), "fp") == Acquired(token=1, recovery_point=None)
+async def test_fresh_reserve_acquires_a_token(h: Harness) -> None:
+    """The first reservation of a scope acquires it with a positive token (which value is the
+    store's: tokens only have to grow) and no recovery point."""
+    reservation = await h.reserve(scope(), "fp")
+    assert isinstance(reservation, Acquired)
+    assert reservation.token > 0
+    assert reservation.recovery_point is None
 
 
 async def test_duplicate_during_live_lease_is_in_progress(h: Harness) -> None:
     """A duplicate while the lease is live is told to come back when the lease ends."""
-    await h.acquire(scope(), "fp")
+    token = await h.acquire(scope(), "fp")
     h.clock.advance(seconds=10)
 
     verdict = await h.reserve(scope(), "fp")
@@ -126,7 +130,7 @@ async def test_duplicate_during_live_lease_is_in_progress(h: Harness) -> None:
     assert verdict.retry_after == pytest.approx(20.0, abs=0.01)
     record = await h.store.get(scope())
     assert record is not None
-    assert (record.status, record.token) == (Status.IN_PROGRESS, 1)
+    assert (record.status, record.token) == (Status.IN_PROGRESS, token)
 
 
 async def test_completed_record_replays_byte_identical_response(h: Harness) -> None:
@@ -175,7 +179,7 @@ async def test_other_fingerprint_after_completion_is_a_mismatch(h: Harness) -> N
 
 async def test_other_fingerprint_while_in_progress_is_a_mismatch(h: Harness) -> None:
     """Another payload is a mismatch during a live lease and after it, never a takeover."""
-    await h.acquire(scope(), "fp")
+    token = await h.acquire(scope(), "fp")
     assert isinstance(await h.reserve(scope(), "other-fp"), Mismatch)
 
     h.clock.advance(LEASE + timedelta(seconds=1))
@@ -183,32 +187,34 @@ async def test_other_fingerprint_while_in_progress_is_a_mismatch(h: Harness) -> 
 
     record = await h.store.get(scope())
     assert record is not None
-    assert (record.fingerprint, record.token) == ("fp", 1)
+    assert (record.fingerprint, record.token) == ("fp", token)
 
 
 # -- leases and fencing --------------------------------------------------------------------
 
 
 async def test_expired_lease_is_taken_over_with_the_next_token(h: Harness) -> None:
-    """A duplicate is refused until the lease's last instant and takes over from then on."""
-    await h.acquire(scope(), "fp")
+    """A duplicate is refused until the lease's last instant and takes over from then on,
+    with a larger token each time."""
+    first = await h.acquire(scope(), "fp")
     created = h.clock()
 
     h.clock.advance(LEASE - TICK)
     assert isinstance(await h.reserve(scope(), "fp"), InProgress)
 
     h.clock.advance(TICK)
-    assert await h.reserve(scope(), "fp") == Acquired(token=2, recovery_point=None)
+    second = await h.acquire(scope(), "fp")
+    assert second > first
 
     record = await h.store.get(scope())
     assert record is not None
-    assert (record.status, record.token) == (Status.IN_PROGRESS, 2)
+    assert (record.status, record.token) == (Status.IN_PROGRESS, second)
     assert record.lease_expires_at == h.clock() + LEASE
     assert record.created_at == created  # still the same intent
     assert record.updated_at == h.clock()
 
     h.clock.advance(LEASE)
-    assert await h.reserve(scope(), "fp") == Acquired(token=3, recovery_point=None)
+    assert await h.acquire(scope(), "fp") > second
 
 
 async def test_stale_holder_is_fenced_out(h: Harness) -> None:
@@ -217,7 +223,7 @@ async def test_stale_holder_is_fenced_out(h: Harness) -> None:
     old = await h.acquire(scope(), "fp")
     h.clock.advance(LEASE)
     new = await h.acquire(scope(), "fp")
-    assert new == old + 1
+    assert new > old
 
     await check_fenced_out(h, old, b"zombie")
 
@@ -242,6 +248,27 @@ async def test_settled_record_refuses_further_writes(h: Harness) -> None:
     record = await h.store.get(scope())
     assert record is not None
     assert (record.status, record.response) == (Status.COMPLETED, b"done")
+
+
+@pytest.mark.parametrize("settle", ["complete", "fail"])
+async def test_repeated_settle_is_retry_safe(h: Harness, settle: str) -> None:
+    """Settling again with the same token, status and response (a retried command whose
+    reply was lost) succeeds and changes nothing, even later; another status or another
+    response by that token is fenced."""
+    token = await h.acquire(scope(), "fp")
+    await getattr(h, settle)(scope(), token, b"answer")
+    first = await h.store.get(scope())
+    h.clock.advance(seconds=5)
+
+    await getattr(h, settle)(scope(), token, b"answer")
+
+    assert await h.store.get(scope()) == first
+    other = "fail" if settle == "complete" else "complete"
+    with pytest.raises(FencedError):
+        await getattr(h, other)(scope(), token, b"answer")
+    with pytest.raises(FencedError):
+        await getattr(h, settle)(scope(), token, b"another answer")
+    assert await h.store.get(scope()) == first
 
 
 async def test_verbs_on_an_unknown_scope(h: Harness) -> None:
@@ -274,7 +301,7 @@ async def test_renew_extends_the_lease(h: Harness) -> None:
     assert record.lease_expires_at == h.clock() + timedelta(seconds=3)
 
     h.clock.advance(seconds=3)
-    assert await h.reserve(scope(), "fp", lease=lease) == Acquired(token=token + 1)
+    assert await h.acquire(scope(), "fp", lease=lease) > token
 
 
 async def test_release_frees_the_key(h: Harness) -> None:
@@ -314,7 +341,9 @@ async def test_record_past_retention_is_taken_over(h: Harness, settle: str) -> N
 
     h.clock.advance(TICK)
     reservation = await h.reserve(scope(), "other-fp")
-    assert reservation == Acquired(token=token + 1, recovery_point=None)
+    assert isinstance(reservation, Acquired)
+    assert reservation.token > token
+    assert reservation.recovery_point is None
 
     record = await h.store.get(scope())
     assert record is not None
@@ -367,12 +396,11 @@ async def test_scopes_are_independent(h: Harness) -> None:
     anonymous = scope("shared", principal="", operation="charge")
 
     tokens = [await h.acquire(s, f"fp-{i}") for i, s in enumerate([mine, theirs, elsewhere])]
-    assert tokens == [1, 1, 1]
-    await h.complete(mine, 1, b"alice's answer")
+    await h.complete(mine, tokens[0], b"alice's answer")
 
     assert isinstance(await h.reserve(theirs, "fp-1"), InProgress)
     assert isinstance(await h.reserve(elsewhere, "fp-0"), Mismatch)
-    assert await h.reserve(anonymous, "fp-0") == Acquired(token=1)
+    assert isinstance(await h.reserve(anonymous, "fp-0"), Acquired)
     verdict = await h.reserve(mine, "fp-0")
     assert isinstance(verdict, Replay)
     assert verdict.record.response == b"alice's answer"
@@ -409,7 +437,11 @@ async def test_get_returns_the_stored_record(h: Harness) -> None:
     record = await h.store.get(s)
     assert record is not None
     assert record.scope == s
-    assert (record.fingerprint, record.status, record.token) == ("f" * 64, Status.IN_PROGRESS, 1)
+    assert (record.fingerprint, record.status, record.token) == (
+        "f" * 64,
+        Status.IN_PROGRESS,
+        token,
+    )
     assert record.response is None
     assert record.lease_expires_at == reserved_at + LEASE
     assert record.created_at == record.updated_at == reserved_at
@@ -454,12 +486,10 @@ async def test_responses_round_trip(h: Harness, body: bytes) -> None:
 async def test_stats_count_records_per_state(h: Harness) -> None:
     """stats counts the records in each state and forgets released ones."""
     assert {k: v for k, v in (await h.store.stats()).items() if v} == {}
-    for key in ("a", "b", "c"):
-        await h.acquire(scope(key), "fp")
-    await h.complete(scope("a"), 1, b"ok")
-    await h.fail(scope("b"), 1, b"no")
-    await h.acquire(scope("d"), "fp")
-    await h.store.release(scope("d"), 1)
+    tokens = {key: await h.acquire(scope(key), "fp") for key in ("a", "b", "c", "d")}
+    await h.complete(scope("a"), tokens["a"], b"ok")
+    await h.fail(scope("b"), tokens["b"], b"no")
+    await h.store.release(scope("d"), tokens["d"])
 
     stats = await h.store.stats()
 
@@ -488,3 +518,65 @@ def test_postgres_times_are_utc_in_any_session_time_zone(
         assert moment == clock() or moment == clock() + LEASE + TTL
         assert moment.utcoffset() == timedelta(0)
         assert moment.tzinfo == UTC
+
+
+# -- whose clock (SPEC §2 rule 9) ----------------------------------------------------------
+
+
+async def test_no_time_given_means_the_store_clock(h: Harness) -> None:
+    """With ``now=None`` (and ``purge(before=None)``) the store decides on its own clock, or
+    the host's where it has none: a lease taken so is live to a second caller, the answer's
+    wait is that clock's, and purge deletes only what that clock calls expired."""
+    live, old = scope("live"), scope("old")
+    first = await h.store.reserve(live, "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(first, Acquired)
+    second = await h.store.reserve(live, "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(second, InProgress)
+    assert 0 < second.retry_after <= LEASE.total_seconds()
+    days_ago = datetime.now(UTC) - timedelta(days=3)
+    expired = await h.store.reserve(old, "fp", now=days_ago, lease=LEASE, ttl=TTL)
+    assert isinstance(expired, Acquired)
+    await h.store.complete(live, first.token, b"ok", now=None, ttl=TTL)
+    await h.store.complete(live, first.token, b"ok", now=None, ttl=TTL)  # retry-safe too
+
+    assert await h.store.purge(before=None) == 1
+
+    assert await h.store.get(old) is None
+    replay = await h.store.reserve(live, "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(replay, Replay)
+    assert replay.record.response == b"ok"
+
+
+# -- tokens are never reused (SPEC §2 rule 8) --------------------------------------------
+
+
+@pytest.mark.parametrize("deletion", ["evict", "purge", "release"])
+async def test_tokens_grow_across_the_deletion_of_the_record(h: Harness, deletion: str) -> None:
+    """A holder stalled past its record's deletion (evicted, purged after its retention, or
+    released and made again) holds a token no later holder of the scope ever gets: it can
+    neither release the new reservation nor settle or renew over it."""
+    stale = await h.acquire(scope(), "fp", lease=TICK, ttl=TICK)
+    if deletion == "evict":
+        assert await h.store.evict(scope()) is True
+        assert await h.store.evict(scope()) is False
+    elif deletion == "purge":
+        h.clock.advance(seconds=1)
+        assert await h.store.purge(before=h.clock()) == 1
+    else:
+        await h.store.release(scope(), stale)
+    assert await h.store.get(scope()) is None
+    h.clock.advance(seconds=1)
+    fresh = await h.acquire(scope(), "fp")
+    assert fresh > stale
+    await h.store.release(scope(), stale)
+    record = await h.store.get(scope())
+    assert record is not None, "the stale holder's release deleted the live reservation"
+    assert (record.status, record.token) == (Status.IN_PROGRESS, fresh)
+    with pytest.raises(FencedError):
+        await h.complete(scope(), stale, b"stale")
+    with pytest.raises(FencedError):
+        await h.renew(scope(), stale)
+    await h.complete(scope(), fresh, b"fresh")
+    record = await h.store.get(scope())
+    assert record is not None
+    assert record.response == b"fresh"

@@ -11,15 +11,18 @@ A ``table`` query parameter (``...?table=my_records``) names the records table; 
 ``prefix`` query parameter (``redis://host/0?prefix=payments``) names the key prefix.
 Any URL takes ``cache=N`` (``redis://host/0?cache=10000``): the store behind a local cache of
 up to N settled records (`idempo.stores.cache.CachedStore`); ``cache=0`` means none.
+PostgreSQL, MariaDB and Redis URLs take ``connect_timeout`` (seconds, default 5): a server that
+is down, refuses or does not answer fails a call within it, and the error says why.
 """
 
 from __future__ import annotations
 
 import importlib
+from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SchemaMissingError, StoreUnavailableError
 from .base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
 
 __all__ = [
@@ -55,6 +58,36 @@ _SCHEMES["mysql"] = (
     "mysql",
 )
 _SCHEMES["mariadb"] = _SCHEMES["mysql"]
+
+
+DEFAULT_CONNECT_TIMEOUT = timedelta(seconds=5)
+
+
+def seconds(value: timedelta | float | str, what: str = "connect_timeout") -> float:
+    """A timeout given as a timedelta, a number of seconds or a URL's text, in seconds."""
+    try:
+        result = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except ValueError as exc:
+        raise ConfigurationError(f"{what} takes a number of seconds, got {value!r}") from exc
+    if not result > 0:  # also refuses NaN
+        raise ConfigurationError(f"{what} must be more than 0 seconds, got {value!r}")
+    return result
+
+
+MIGRATE_HINT = "`idempo migrate <store URL>` (or store.migrate())"
+
+
+def schema_missing(db: str, what: str) -> SchemaMissingError:
+    """The error for a store whose table (or token sequence) is not there: ``what`` names it."""
+    return SchemaMissingError(
+        f"{db}: {what} does not exist; the store is not migrated: create its schema with"
+        f" {MIGRATE_HINT}"
+    )
+
+
+def cannot_connect(db: str, where: str, reason: str) -> StoreUnavailableError:
+    """The error for a server that cannot be reached or refuses the connection."""
+    return StoreUnavailableError(f"cannot connect to {db} at {where}: {reason}")
 
 
 def _load(path: str, extra: str | None) -> Any:
@@ -102,24 +135,42 @@ def _parse(url: str, which: int) -> tuple[Any, list[Any], dict[str, Any]]:
     return cls, [rest], options
 
 
-def open_store(url: str, **options: Any) -> Any:
+def open_store(url: str, *, read_only: bool = False, create: bool = True, **options: Any) -> Any:
     """A synchronous store for ``url``; keyword options go to the store's constructor.
+
+    Args:
+        read_only: the store is only read (``get``, ``stats``): a SQLite file is opened
+            read-only and never created. Other stores create nothing by reading.
+        create: False: a SQLite file must already exist (it is not created empty).
 
     >>> open_store("memory://")  # doctest: +ELLIPSIS
     <idempo.stores.memory.MemoryStore object at ...>
     """
-    return _open(url, 0, options)
+    return _open(url, 0, _access(url, read_only, create, options))
 
 
-def open_async_store(url: str, **options: Any) -> Any:
-    """An asynchronous store for ``url`` (the same URLs as `open_store`)."""
-    return _open(url, 1, options)
+def open_async_store(
+    url: str, *, read_only: bool = False, create: bool = True, **options: Any
+) -> Any:
+    """An asynchronous store for ``url`` (the same URLs and arguments as `open_store`)."""
+    return _open(url, 1, _access(url, read_only, create, options))
+
+
+def _access(url: str, read_only: bool, create: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """The constructor options that say how a store's file may be opened: only SQLite has
+    one (on a server, a read creates nothing and the database is there or not)."""
+    if urlsplit(url).scheme == "sqlite" and (read_only or not create):
+        return {"read_only": read_only, "create": create and not read_only, **options}
+    return options
 
 
 def _open(url: str, which: int, options: dict[str, Any]) -> Any:
     url, cache = _cache_size(url)
     cls, args, url_options = _parse(url, which)
-    store = cls(*args, **{**url_options, **options})
+    try:
+        store = cls(*args, **{**url_options, **options})
+    except ValueError as exc:  # a driver's URL parser on a bad port, number or option
+        raise ConfigurationError(f"bad {urlsplit(url).scheme} URL: {exc}") from exc
     if not cache:
         return store
     from . import cache as cached  # noqa: PLC0415 - only URLs that ask for it pay the import

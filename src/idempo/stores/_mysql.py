@@ -23,7 +23,7 @@ from typing import Any
 from .._keys import Scope
 from .._ops import Release, Renew, Reserve, Settle
 from .._record import InProgress, Reservation
-from ..errors import FencedError
+from ..errors import FencedError, StoreError
 from ._sql import _COLUMNS, SqlDialect, SqlGen, Statement
 
 __all__ = ["ROW_COUNT", "MySQLDialect", "scope_hash"]
@@ -46,6 +46,21 @@ def scope_hash(scope: Scope) -> bytes:
         scope.key.encode(),
     )
     return hashlib.sha256(packed).digest()
+
+
+# "Data truncated for column": a value the column cannot hold.
+_DATA_TRUNCATED = 1265
+
+
+def _truncated(exc: BaseException) -> bool:
+    """Whether the driver error behind ``exc`` (its cause, or SQLAlchemy's ``orig``) is
+    MariaDB's 1265."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if seen.args[:1] == (_DATA_TRUNCATED,):
+            return True
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return False
 
 
 def lock_wait_seconds(timeout: timedelta) -> int:
@@ -103,17 +118,41 @@ class MySQLDialect(SqlDialect):
             " expires_at DATETIME(6) NOT NULL, recovery_point TEXT NULL,"
             " PRIMARY KEY (scope_hash), KEY idempo_expires_at (expires_at))"
             # _bin: principals, operations and fingerprints compare and return byte for byte.
-            " ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
+            " ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin",
+            f"CREATE SEQUENCE IF NOT EXISTS {self.tokens}",
+            # Past the largest token already stored (an install from before the sequence).
+            # SETVAL never moves a sequence back, so running this again, or beside
+            # reservations, is harmless; it takes a literal, hence the EXECUTE IMMEDIATE.
+            "BEGIN NOT ATOMIC DECLARE m BIGINT;"
+            f" SELECT MAX(token) INTO m FROM {self.table};"
+            f" IF m > 0 THEN EXECUTE IMMEDIATE CONCAT('DO SETVAL({self.tokens}, ', m, ')');"
+            " END IF; END",
         ]
+
+    where_scope = _WHERE_SCOPE
+    # UTC, whatever the session's time zone; like NOW(), the statement's start throughout.
+    server_clock = "UTC_TIMESTAMP(6)"
+
+    def cast_time(self, name: str) -> str:
+        return f"CAST(:{name} AS DATETIME(6))"
+
+    def plus(self, time: str, span: str) -> str:
+        return f"({time} + INTERVAL :{span} MICROSECOND)"
+
+    @property
+    def next_token(self) -> str:
+        # A missing sequence fails the statement with 1146, as a missing table does.
+        return f"NEXTVAL({self.tokens})"
 
     def scope_params(self, scope: Scope) -> dict[str, Any]:
         return {**super().scope_params(scope), "scope_hash": scope_hash(scope)}
 
     @cached_property
     def reserve_sql(self) -> str:
+        now = self.now
         # Free: retention over, or an expired lease retried with the same request.
         free = (
-            "(expires_at <= :now OR (state = 'in_progress' AND lease_expires_at <= :now"
+            f"(expires_at <= {now} OR (state = 'in_progress' AND lease_expires_at <= {now}"
             " AND fingerprint = :fingerprint))"
         )
         # MariaDB assigns left to right, so once `attempt` is ours the rest of the row may
@@ -125,22 +164,27 @@ class MySQLDialect(SqlDialect):
             return f"{column} = IF({took}, {value}, {column})"
 
         # created_at and recovery_point read the old expires_at, so they come before it.
-        fresh_history = f"{took} AND expires_at <= :now"
+        fresh_history = f"{took} AND expires_at <= {now}"
         in_progress = "'in_progress'"
+        lease_until, expires_at = self.plus(now, "lease"), self.plus(now, "lease_ttl")
+        # The insert's token is the sequence's next value (drawn on every attempt: gaps are
+        # harmless); a takeover's is the larger of it and the old token plus one.
         return (
             f"INSERT INTO {self.table} (scope_hash, principal, operation, idem_key,"
             " fingerprint, state, token, attempt, lease_expires_at, created_at, updated_at,"
             " expires_at)"
-            " VALUES (:scope_hash, :principal, :operation, :key, :fingerprint, 'in_progress', 1,"
-            " :attempt, :lease_until, :now, :now, :expires_at)"
+            " VALUES (:scope_hash, :principal, :operation, :key, :fingerprint, 'in_progress',"
+            f" {self.next_token}, :attempt, {lease_until}, {now}, {now}, {expires_at})"
             f" ON DUPLICATE KEY UPDATE attempt = IF({free}, :attempt, attempt),"
-            f" created_at = IF({fresh_history}, :now, created_at),"
+            f" created_at = IF({fresh_history}, {now}, created_at),"
             f" recovery_point = IF({fresh_history}, NULL, recovery_point),"
-            f" {take('token', 'token + 1')}, {take('fingerprint', ':fingerprint')},"
-            f" {take('state', in_progress)}, {take('lease_expires_at', ':lease_until')},"
-            f" {take('response', 'NULL')}, {take('updated_at', ':now')},"
-            f" {take('expires_at', ':expires_at')}"
-            f" RETURNING attempt = :attempt, {_COLUMNS}"
+            f" {take('token', 'GREATEST(token + 1, VALUES(token))')},"
+            f" {take('fingerprint', ':fingerprint')},"
+            f" {take('state', in_progress)}, {take('lease_expires_at', lease_until)},"
+            f" {take('response', 'NULL')}, {take('updated_at', now)},"
+            f" {take('expires_at', expires_at)}"
+            # The instant it decided at, for judging what it found (the server's clock).
+            f" RETURNING attempt = :attempt, {_COLUMNS}, {now}"
         )
 
     @cached_property
@@ -152,44 +196,34 @@ class MySQLDialect(SqlDialect):
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         # A fresh value per statement: a value the row already holds would take it again.
         params = {**self.reserve_params(op), "attempt": os.urandom(16)}
-        rows = yield Statement(self.locking_reserve_sql, params)
+        try:
+            rows = yield Statement(self.locking_reserve_sql, params)
+        except StoreError as exc:
+            if not _truncated(exc):
+                raise
+            # The row holds a value its own column refuses (an ENUM's '' after a lax
+            # write), so even writing it back unchanged fails: say what the row is.
+            found = yield Statement(self.select_sql, self.scope_params(op.scope))
+            if found:
+                self.record(found[0], op.scope)  # raises CorruptRecordError
+            raise
         # The statement read the row under its lock, so what it found is final; the Python
         # judge agrees with the SQL one, so None cannot happen short of a clock going back.
-        return self.judge_rows(rows, op.fingerprint, op.now) or InProgress(retry_after=0.0)
-
-    @cached_property
-    def settle_sql(self) -> str:
-        return (
-            f"UPDATE {self.table} SET state = :state, response = :response,"
-            " lease_expires_at = NULL, updated_at = :now,"
-            # Retention is at least ttl after completion (see the other dialects).
-            " expires_at = GREATEST(expires_at, :expires_at)"
-            f" WHERE {_WHERE_SCOPE} AND token = :token AND state = 'in_progress'"
-        )
+        return self.judge_rows(rows, op) or InProgress(retry_after=0.0)
 
     def settle(self, op: Settle) -> SqlGen[None]:
-        # The row always changes (its state does), so a count of 0 means a stale token; the
-        # error raised here rolls the caller's transaction back before anything commits.
-        yield from self._fenced(
-            Statement(self.settle_sql, self.settle_params(op), fetch=False),
-            f"cannot settle key {op.scope.key!r}: token {op.token} is stale",
-        )
+        # The row always changes (its state does), so a count of 0 means a stale token or a
+        # settle repeated; the error raised for a stale one rolls the caller's transaction
+        # back before anything commits.
+        yield Statement(self.settle_update, self.settle_params(op), fetch=False)
+        rows = yield Statement(ROW_COUNT, {})
+        if not rows or not rows[0][0]:
+            yield from self.settled_already(op)
 
     def renew(self, op: Renew) -> SqlGen[None]:
         # Counted as rows matched, not changed: the store's connections set CLIENT_FOUND_ROWS,
         # and renew runs only there, so renewing twice in one microsecond is not "stale".
-        update = Statement(
-            f"UPDATE {self.table} SET lease_expires_at = :until, updated_at = :now,"
-            " expires_at = GREATEST(expires_at, :until)"
-            f" WHERE {_WHERE_SCOPE} AND token = :token AND state = 'in_progress'",
-            {
-                **self.scope_params(op.scope),
-                "token": op.token,
-                "now": self.db_time(op.now),
-                "until": self.db_time(op.now + op.lease),
-            },
-            fetch=False,
-        )
+        update = Statement(self.renew_update, self.renew_params(op), fetch=False)
         yield from self._fenced(
             update, f"cannot renew key {op.scope.key!r}: token {op.token} is stale"
         )
@@ -213,14 +247,37 @@ class MySQLDialect(SqlDialect):
     def select_sql(self) -> str:
         return f"SELECT {_COLUMNS} FROM {self.table} WHERE {_WHERE_SCOPE}"
 
-    def purge(self, before: datetime, limit: int) -> SqlGen[int]:
-        # Oldest first along the expires_at index; a live lease is never purged.
+    def purge(self, before: datetime | None, limit: int) -> SqlGen[int]:
+        # Oldest first along the expires_at index; a live lease is never purged. Rows another
+        # transaction holds (a takeover under way) are skipped, not waited for; the DELETE
+        # states the conditions again and reads each row under its lock, so a row taken over
+        # between the two statements is spared.
+        params = self.purge_params(before, limit)
+        rows = yield Statement(
+            f"SELECT scope_hash FROM {self.table} WHERE {self.expired}"
+            " ORDER BY expires_at, scope_hash LIMIT :limit FOR UPDATE SKIP LOCKED",
+            params,
+        )
+        if not rows:
+            return 0
+        # Parameter names are letters only (see _sql.pyformat): h_a, h_b, ..., h_ba, ...
+        names = ["h_" + "".join(chr(97 + int(d)) for d in str(i)) for i in range(len(rows))]
+        params.update(zip(names, (row[0] for row in rows), strict=True))
+        # By primary key only (a multi-table DELETE, which takes an index hint): a scan,
+        # which MariaDB prefers on a small table, would wait on the rows SKIP LOCKED left out.
         yield Statement(
-            f"DELETE FROM {self.table} WHERE expires_at <= :before"
-            " AND (state <> 'in_progress' OR lease_expires_at <= :before)"
-            " ORDER BY expires_at, scope_hash LIMIT :limit",
-            {"before": self.db_time(before), "limit": int(limit)},
+            f"DELETE r FROM {self.table} AS r FORCE INDEX (PRIMARY)"
+            f" WHERE r.scope_hash IN ({', '.join(':' + name for name in names)})"
+            f" AND {self.expired}",
+            params,
             fetch=False,
         )
-        rows = yield Statement(ROW_COUNT, {})
-        return int(rows[0][0]) if rows else 0
+        counted = yield Statement(ROW_COUNT, {})
+        return int(counted[0][0]) if counted else 0
+
+    def evict(self, scope: Scope) -> SqlGen[bool]:
+        rows = yield Statement(
+            f"DELETE FROM {self.table} WHERE {_WHERE_SCOPE} RETURNING 1",
+            {"scope_hash": scope_hash(scope)},
+        )
+        return bool(rows)

@@ -6,10 +6,12 @@
 
 **What is cached.** COMPLETED and FAILED records only, each for at most its own retention:
 a cached record is never served at or after its ``expires_at``, compared with the ``now``
-every verb carries (the caller's clock, as the stores themselves do). Records are learned
-from the store's answers (a replay, or a mismatch against a settled record) and from this
-process's own completions. An in-progress record is never cached, so a duplicate of running
-work always asks the store. A reservation whose scope is cached answers from memory with what
+the verb carries, or with the host's clock when it carries None (the store's own clock is
+out of reach without a round trip; docs/stores.md says what that means). Records are learned
+from the store's answers only (a replay, or a mismatch against a settled record), so each is
+exactly what the store keeps; this process's own completion is learned at the first retry
+that asks the store. An in-progress record is never cached, so a duplicate of running work
+always asks the store. A reservation whose scope is cached answers from memory with what
 `judge` says: the same fingerprint replays, another one is a mismatch.
 
 **Why that is safe.** A settled record cannot change in the store before its retention ends:
@@ -18,9 +20,10 @@ give. The exceptions (a record deleted early behind the cache's back, clocks tha
 across processes) are in docs/stores.md.
 
 **On the app's connection** (``bind``), a cached answer touches neither the store nor the
-connection: no transaction is begun and none is ended. There the cache learns only from the
-store's replays, never from the call's own completion: that commit is the app's, and an app
-that runs the guard inside a transaction of its own could still roll it back.
+connection: no transaction is begun and none is ended.
+
+`evict` forgets the scope here too, and a store answer read before the eviction is not
+learned after it.
 
 The least recently used record goes first when ``max_entries`` (or ``max_bytes`` of stored
 responses) is reached. One lock guards the records; it is never held across store I/O.
@@ -37,8 +40,9 @@ from typing import Any, TypeVar, cast
 
 from .._keys import Scope
 from .._ops import Release, Renew, Reserve, Settle
-from .._record import Acquired, InProgress, Mismatch, Record, Replay, Reservation, Status, judge
+from .._record import InProgress, Mismatch, Record, Replay, Reservation, Status, judge
 from ..errors import ConfigurationError
+from . import _clock
 from ._sql import adrive, drive
 from ._units import AsyncUnit, SyncUnit, UnitLogic
 from .base import AsyncStore, AsyncTransactionalStore, Store, TransactionalStore
@@ -57,15 +61,6 @@ class _Discard:
 
 StoreOp = Reserve | Settle | Release | Renew | _Discard
 OpGen = Generator[StoreOp, Any, T]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Held:
-    """A reservation this process holds: what its record will be once settled."""
-
-    fingerprint: str
-    created_at: datetime
-    expires_at: datetime
 
 
 class LocalCache:
@@ -88,9 +83,13 @@ class LocalCache:
         self.hits = 0
         self.misses = 0
         self._records: OrderedDict[Scope, Record] = OrderedDict()
-        self._held: OrderedDict[tuple[Scope, int], _Held] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        # Forgetting (evict, clear) counts up; an answer the store gave before a scope was
+        # forgotten is not learned after it (see `mark`).
+        self._generation = 0
+        self._cleared = 0
+        self._forgotten: OrderedDict[Scope, int] = OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
@@ -107,8 +106,12 @@ class LocalCache:
         with self._lock:
             return list(self._records)
 
-    def answer(self, scope: Scope, fingerprint: str, now: datetime) -> Replay | Mismatch | None:
-        """What the cached record says to a reservation, or None: ask the store."""
+    def answer(
+        self, scope: Scope, fingerprint: str, now: datetime | None
+    ) -> Replay | Mismatch | None:
+        """What the cached record says to a reservation, or None: ask the store. Without an
+        injected time the cache judges on the host's clock (it has no other)."""
+        now = now or _clock.host_now()
         with self._lock:
             record = self._records.get(scope)
             verdict = judge(record, fingerprint, now) if record is not None else None
@@ -122,15 +125,25 @@ class LocalCache:
         assert not isinstance(verdict, InProgress), "an in-progress record was cached"
         return verdict
 
-    def learn(self, record: Record) -> None:
-        """Keep a settled record (an in-progress one is ignored), evicting the least recently
-        used records beyond the bounds."""
+    def mark(self) -> int:
+        """Taken before asking the store; `learn` given it ignores the answer if the scope
+        was forgotten since (an eviction racing a reservation that read the old record)."""
+        return self._generation
+
+    def learn(self, record: Record, since: int | None = None) -> None:
+        """Keep a settled record the store handed back (an in-progress one is ignored),
+        evicting the least recently used records beyond the bounds."""
         if record.status is Status.IN_PROGRESS:
             return
         size = len(record.response or b"")
         if self.max_bytes is not None and size > self.max_bytes:
             return
         with self._lock:
+            if (
+                since is not None
+                and max(self._cleared, self._forgotten.get(record.scope, 0)) > since
+            ):
+                return  # read before an eviction or a clear that came since
             current = self._records.get(record.scope)
             if current is not None and current.updated_at > record.updated_at:
                 return  # a slower caller brought back an older answer than the one we have
@@ -143,59 +156,30 @@ class LocalCache:
             ):
                 self._drop(next(iter(self._records)))
 
-    def acquired(self, op: Reserve, token: int) -> None:
-        """Note a reservation this process now holds, to learn its record when it settles."""
-        if token != 1:
-            # A takeover: the store may keep the earlier attempt's created_at, which this
-            # process never saw. Its record is learned from the store's first replay instead.
-            return
-        held = _Held(op.fingerprint, op.now, op.now + op.lease + op.ttl)
-        with self._lock:
-            self._held[(op.scope, token)] = held
-            while len(self._held) > self.max_entries:  # holders that never settled
-                self._held.popitem(last=False)
-
-    def renewed(self, op: Renew) -> None:
-        """A renewal may push the record's retention out, as the store does."""
-        with self._lock:
-            held = self._held.get((op.scope, op.token))
-            if held is not None:
-                until = max(held.expires_at, op.now + op.lease)
-                self._held[(op.scope, op.token)] = dataclasses.replace(held, expires_at=until)
-
-    def let_go(self, scope: Scope, token: int) -> _Held | None:
-        """Stop tracking a reservation (it is being settled or released)."""
-        with self._lock:
-            return self._held.pop((scope, token), None)
-
-    def settled(self, op: Settle, held: _Held) -> None:
-        """Learn the record the store now keeps for a reservation this process settled: the
-        same fields the store wrote, by the contract every store passes."""
-        self.learn(
-            Record(
-                scope=op.scope,
-                fingerprint=held.fingerprint,
-                status=op.status,
-                token=op.token,
-                lease_expires_at=None,
-                response=bytes(op.response),
-                created_at=held.created_at,
-                updated_at=op.now,
-                expires_at=max(held.expires_at, op.now + op.ttl),
-            )
-        )
-
     def forget_expired(self, before: datetime) -> None:
         """Drop every record whose retention ended by ``before`` (the store purged them)."""
         with self._lock:
             for scope in [s for s, r in self._records.items() if r.expires_at <= before]:
                 self._drop(scope)
 
+    def forget(self, scope: Scope) -> None:
+        """Drop one scope's cached record (it was evicted from the store)."""
+        with self._lock:
+            self._generation += 1
+            self._forgotten[scope] = self._generation
+            self._forgotten.move_to_end(scope)
+            while len(self._forgotten) > self.max_entries:
+                self._forgotten.popitem(last=False)
+            if scope in self._records:
+                self._drop(scope)
+
     def clear(self) -> None:
         """Forget everything (say, after deleting records from the store by hand)."""
         with self._lock:
+            self._generation += 1
+            self._cleared = self._generation
+            self._forgotten.clear()
             self._records.clear()
-            self._held.clear()
             self._bytes = 0
 
     def _drop(self, scope: Scope) -> None:
@@ -215,33 +199,26 @@ class _Logic:
         if cached is not None:
             self.answered()
             return cached
+        mark = self.cache.mark()
         reservation: Reservation = yield op
-        self.learn(op, reservation)
+        if isinstance(reservation, Replay | Mismatch):
+            self.cache.learn(reservation.record, mark)
         return reservation
 
     def answered(self) -> None:
         """A reservation was answered from memory (a bound unit takes note)."""
 
-    def learn(self, op: Reserve, reservation: Reservation) -> None:
-        match reservation:
-            case Replay(record) | Mismatch(record):
-                self.cache.learn(record)
-            case Acquired(token):
-                self.cache.acquired(op, token)
-
+    # The other verbs only pass through. This process's own completion is not learned: the
+    # store's tokens and clock decide the record's fields (a takeover keeps an earlier
+    # attempt's created_at, the store's clock sets the times), which only its answer tells.
     def settle(self, op: Settle) -> OpGen[None]:
-        held = self.cache.let_go(op.scope, op.token)
         yield op
-        if held is not None:  # reached only if the store took it: a refusal raises
-            self.cache.settled(op, held)
 
     def release(self, op: Release) -> OpGen[None]:
-        self.cache.let_go(op.scope, op.token)
         yield op
 
     def renew(self, op: Renew) -> OpGen[None]:
         yield op
-        self.cache.renewed(op)
 
     def discard(self) -> OpGen[None]:
         return
@@ -249,8 +226,8 @@ class _Logic:
 
 
 class _BoundLogic(_Logic):
-    """One guarded call on the app's connection: a cached answer touches nothing, and the
-    call's own completion is not learned (its commit is the app's)."""
+    """One guarded call on the app's connection: a cached answer touches nothing (no
+    transaction to end afterwards)."""
 
     def __init__(self, cache: LocalCache) -> None:
         super().__init__(cache)
@@ -262,10 +239,6 @@ class _BoundLogic(_Logic):
 
     def answered(self) -> None:
         self._answered = True
-
-    def learn(self, op: Reserve, reservation: Reservation) -> None:
-        if isinstance(reservation, Replay | Mismatch):
-            self.cache.learn(reservation.record)
 
     def discard(self) -> OpGen[None]:
         if not self._answered:  # after a cached answer there is no transaction to end
@@ -370,9 +343,18 @@ class CachedStore(_Wrapper, SyncUnit):
         record: Record | None = self.store.get(scope)
         return record
 
-    def purge(self, *, before: datetime, limit: int = 1000) -> int:
+    def evict(self, scope: Scope) -> bool:
+        """Delete the record in the store and forget the cached copy."""
+        try:
+            evicted: bool = self.store.evict(scope)
+        finally:
+            self.cache.forget(scope)
+        return evicted
+
+    def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
         purged: int = self.store.purge(before=before, limit=limit)
-        self.cache.forget_expired(before)
+        # The cache keeps settled records by retention on the host's clock.
+        self.cache.forget_expired(before or _clock.host_now())
         return purged
 
     def stats(self) -> dict[str, int]:
@@ -420,9 +402,17 @@ class AsyncCachedStore(_Wrapper, AsyncUnit):
         record: Record | None = await self.store.get(scope)
         return record
 
-    async def purge(self, *, before: datetime, limit: int = 1000) -> int:
+    async def evict(self, scope: Scope) -> bool:
+        """Delete the record in the store and forget the cached copy."""
+        try:
+            evicted: bool = await self.store.evict(scope)
+        finally:
+            self.cache.forget(scope)
+        return evicted
+
+    async def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
         purged: int = await self.store.purge(before=before, limit=limit)
-        self.cache.forget_expired(before)
+        self.cache.forget_expired(before or _clock.host_now())
         return purged
 
     async def stats(self) -> dict[str, int]:

@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from .._keys import Scope
 from .._record import Acquired, Record, Reservation, Status, judge
 from ..errors import FencedError
+from . import _clock
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 
@@ -83,6 +84,10 @@ class _Entry:
 class MemoryStore:
     """A `Store` kept in this process's memory.
 
+    ``now=None`` (and ``purge(before=None)``) means the host's clock: the store has no other.
+    Tokens come from one counter for the whole store, so a scope's tokens keep growing when
+    its record is deleted and made again.
+
     >>> from datetime import UTC, datetime, timedelta
     >>> store = MemoryStore()
     >>> scope = Scope("", "charge", "k1")
@@ -94,17 +99,27 @@ class MemoryStore:
     def __init__(self) -> None:
         self._entries: dict[Scope, _Entry] = {}
         self._lock = threading.Lock()
+        # Every token this store ever handed out is below the next one, whatever was deleted
+        # since: a holder stalled past its record's deletion never matches a later holder.
+        self._issued = 0
 
     def reserve(
-        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+        self,
+        scope: Scope,
+        fingerprint: str,
+        *,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
     ) -> Reservation:
+        now = now or _clock.host_now()
         with self._lock:
             current = self._entries.get(scope)
             if current is not None:
                 verdict = judge(current.record(), fingerprint, now)
                 if verdict is not None:
                     return verdict
-            token = 1 if current is None else current.token + 1
+            token = self._issued = max(self._issued, current.token if current else 0) + 1
             keeps_history = current is not None and current.expires_at > now
             recovery_point = current.recovery_point if current and keeps_history else None
             until = now + lease
@@ -126,16 +141,29 @@ class MemoryStore:
             raise FencedError(f"key {scope.key!r}: token {token} is stale")
         return entry
 
+    def _settled_already(self, scope: Scope, token: int, status: Status, response: bytes) -> bool:
+        """The same settle again (a retried call whose answer was lost): nothing to do."""
+        entry = self._entries.get(scope)
+        return (
+            entry is not None
+            and entry.token == token
+            and entry.status is status
+            and entry.response == bytes(response)
+        )
+
     def _settle(
         self,
         scope: Scope,
         token: int,
         status: Status,
         response: bytes,
-        now: datetime,
+        now: datetime | None,
         ttl: timedelta,
     ) -> None:
+        now = now or _clock.host_now()
         with self._lock:
+            if self._settled_already(scope, token, status, response):
+                return
             entry = self._held(scope, token)
             entry.status = status
             entry.response = bytes(response)
@@ -145,12 +173,12 @@ class MemoryStore:
             entry._record = None
 
     def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None:
         self._settle(scope, token, Status.COMPLETED, response, now, ttl)
 
     def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None:
         self._settle(scope, token, Status.FAILED, response, now, ttl)
 
@@ -160,7 +188,8 @@ class MemoryStore:
             if entry and entry.token == token and entry.status is Status.IN_PROGRESS:
                 del self._entries[scope]
 
-    def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None:
+    def renew(self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta) -> None:
+        now = now or _clock.host_now()
         with self._lock:
             entry = self._held(scope, token)
             until = now + lease
@@ -174,7 +203,13 @@ class MemoryStore:
             entry = self._entries.get(scope)
             return None if entry is None else entry.record()
 
-    def purge(self, *, before: datetime, limit: int = 1000) -> int:
+    def evict(self, scope: Scope) -> bool:
+        """Delete the record whatever its state; True if there was one."""
+        with self._lock:
+            return self._entries.pop(scope, None) is not None
+
+    def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
+        before = before or _clock.host_now()
         with self._lock:
             doomed = [
                 scope
@@ -205,30 +240,41 @@ class AsyncMemoryStore:
         self.sync = store or MemoryStore()
 
     async def reserve(
-        self, scope: Scope, fingerprint: str, *, now: datetime, lease: timedelta, ttl: timedelta
+        self,
+        scope: Scope,
+        fingerprint: str,
+        *,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
     ) -> Reservation:
         return self.sync.reserve(scope, fingerprint, now=now, lease=lease, ttl=ttl)
 
     async def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None:
         self.sync.complete(scope, token, response, now=now, ttl=ttl)
 
     async def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime, ttl: timedelta
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
     ) -> None:
         self.sync.fail(scope, token, response, now=now, ttl=ttl)
 
     async def release(self, scope: Scope, token: int) -> None:
         self.sync.release(scope, token)
 
-    async def renew(self, scope: Scope, token: int, *, now: datetime, lease: timedelta) -> None:
+    async def renew(
+        self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
+    ) -> None:
         self.sync.renew(scope, token, now=now, lease=lease)
 
     async def get(self, scope: Scope) -> Record | None:
         return self.sync.get(scope)
 
-    async def purge(self, *, before: datetime, limit: int = 1000) -> int:
+    async def evict(self, scope: Scope) -> bool:
+        return self.sync.evict(scope)
+
+    async def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
         return self.sync.purge(before=before, limit=limit)
 
     async def stats(self) -> dict[str, int]:

@@ -39,19 +39,26 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from ..errors import ConfigurationError, IdempotencyError, StoreError, StoreUnavailableError
+from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
 from ._mysql import ROW_COUNT, MySQLDialect, lock_wait_seconds
 from ._sql import Statement, adrive, drive, pyformat
 from ._units import (
+    SAVEPOINT,
     AsyncSqlStore,
     AsyncUnit,
     Begin,
+    Check,
     Commit,
     LockTimeoutError,
+    Mark,
     OnStore,
     Rollback,
     SqlStore,
     SyncUnit,
+    TransactionConflict,
+    TransactionEnded,
     TxGen,
+    Undo,
     UnitLogic,
     unit_logic,
 )
@@ -74,14 +81,54 @@ _pyformat = lru_cache(maxsize=256)(pyformat)
 _LOCK_ERRORS = frozenset({1205, 1213})
 # Too many connections, shutting down, connection killed; 2xxx are the client's own.
 _UNREACHABLE = frozenset({1040, 1053, 1927})
+# Refused at login: no such database (1049), access denied to it (1044), no such user or
+# wrong password (1045, 1698).
+_UNKNOWN_DATABASE = 1049
+_ACCESS_DENIED = frozenset({1044, 1045, 1698})
+_NO_SUCH_TABLE = 1146  # a missing sequence says the same
+
+
+def _code(exc: BaseException) -> int:
+    args = exc.args
+    return args[0] if args and isinstance(args[0], int) else 0
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc.args[1]) if len(exc.args) > 1 else str(exc)
+
+
+def _reason(exc: BaseException, timeout: float) -> str:
+    """What a failed connection attempt means, in a few words (the driver's text is the
+    error's cause). aiomysql keeps the socket's error only as the cause."""
+    code, message = _code(exc), _message(exc)
+    text = f"{message} {exc.__cause__ or ''}"
+    if code == _UNKNOWN_DATABASE:
+        return f"database {message.removeprefix('Unknown database ')} does not exist"
+    if code in _ACCESS_DENIED:
+        return f"a{message[1:]}: no such user or wrong password"
+    if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
+        return f"no answer within {timeout:g} s"
+    if "timed out" in text:
+        return f"no answer within {timeout:g} s"
+    if "Connection refused" in text or isinstance(exc.__cause__, ConnectionRefusedError):
+        return "connection refused"
+    if "Name or service not known" in text or "name resolution" in text:
+        host = re.search(r"server on '([^']*)'", message)
+        return f"unknown host {host[1]!r}" if host else "unknown host"
+    return message
 
 
 def map_error(exc: BaseException) -> BaseException:
     """A PyMySQL/aiomysql error as the idempo error it means; anything else unchanged."""
     if isinstance(exc, pymysql.err.Error):
-        code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
+        code = _code(exc)
         if code in _LOCK_ERRORS:
             return LockTimeoutError(str(exc))
+        if code == _NO_SUCH_TABLE:
+            table = re.search(r"Table '([^']*)'", _message(exc))
+            return schema_missing("MariaDB", f"table {table[1]!r}" if table else _message(exc))
+        if code == _UNKNOWN_DATABASE or code in _ACCESS_DENIED:
+            return StoreUnavailableError(f"MariaDB refused the login: {_reason(exc, 0)}")
         if (
             isinstance(exc, pymysql.err.InterfaceError)
             or code in _UNREACHABLE
@@ -150,17 +197,20 @@ def connect_options(url: str) -> dict[str, Any]:
         if name == "unix_socket":
             options["unix_socket"] = value
         elif name == "connect_timeout":
-            options["connect_timeout"] = float(value)
+            options["connect_timeout"] = seconds(value)
         else:
             raise ConfigurationError(f"unknown MySQL URL option {name!r}")
     return options
 
 
-def _options(url: str, connect_args: Mapping[str, Any] | None) -> dict[str, Any]:
+def _options(
+    url: str, connect_args: Mapping[str, Any] | None, connect_timeout: timedelta | float | None
+) -> dict[str, Any]:
     """How the store's own connections are set up: autocommit (each verb commits by itself),
-    matched-row counts (a renewal that changes nothing is not "stale"), the lock wait."""
+    matched-row counts (a renewal that changes nothing is not "stale"), the lock wait, the
+    connect timeout (the argument, else the URL's, else 5 s)."""
     wait = lock_wait_seconds(DEFAULT_LOCK_TIMEOUT)
-    return {
+    options = {
         **connect_options(url),
         "autocommit": True,
         "client_flag": CLIENT.FOUND_ROWS,
@@ -168,48 +218,124 @@ def _options(url: str, connect_args: Mapping[str, Any] | None) -> dict[str, Any]
         "charset": "utf8mb4",
         **(connect_args or {}),
     }
+    if connect_timeout is not None:
+        options["connect_timeout"] = seconds(connect_timeout)
+    options.setdefault("connect_timeout", DEFAULT_CONNECT_TIMEOUT.total_seconds())
+    return options
+
+
+def _where(options: Mapping[str, Any]) -> str:
+    """Where the options connect, for messages."""
+    database = options.get("database") or options.get("db") or ""
+    if options.get("unix_socket"):
+        return f"{options['unix_socket']}/{database}"
+    return f"{options.get('host', 'localhost')}:{options.get('port', 3306)}/{database}"
+
+
+def _connect(options: Mapping[str, Any]) -> pymysql.connections.Connection[Any]:
+    """A PyMySQL connection, the whole login bounded by the connect timeout: PyMySQL's own
+    bounds only the TCP connect, so a server that accepts and then says nothing would hold
+    the call for ever."""
+    timeout = options["connect_timeout"]
+    read_timeout = options.get("read_timeout")
+    try:
+        conn: pymysql.connections.Connection[Any] = pymysql.connect(
+            **{**options, "read_timeout": read_timeout or timeout}
+        )
+    except (pymysql.err.Error, OSError) as exc:
+        raise cannot_connect("MariaDB", _where(options), _reason(exc, timeout)) from exc
+    if read_timeout is None:
+        # Logged in: statements may take as long as they need again (a lock wait may).
+        # PyMySQL has no public setter; it applies this before its next read.
+        conn._read_timeout = None  # type: ignore[attr-defined]
+    return conn
 
 
 def _in_transaction(conn: Any) -> bool:
     return bool(conn.server_status & SERVER_STATUS.SERVER_STATUS_IN_TRANS)
 
 
-def _needs_begin(conn: Any) -> bool:
-    """Whether the guard must say BEGIN. With autocommit off (PyMySQL's default) the first
-    statement opens the transaction by itself, which saves the round trip."""
-    return not _in_transaction(conn) and bool(conn.get_autocommit())
+# The app's transaction is over, as a serialization failure ends one on PostgreSQL: chosen
+# as a deadlock victim (1213: InnoDB rolled it all back), or its snapshot overtaken by a
+# concurrent commit (1020, MariaDB's innodb_snapshot_isolation).
+_CONFLICTS = frozenset({1213, 1020})
+_NO_SUCH_SAVEPOINT = 1305
+_SAVEPOINT_SQL = f"SAVEPOINT {SAVEPOINT}"
+
+
+@contextmanager
+def _translated(app: bool) -> Iterator[None]:
+    """What the driver's errors mean to the transaction's logic (inside `mapped_errors`)."""
+    try:
+        yield
+    except pymysql.err.Error as exc:
+        code = _code(exc)
+        if code == _NO_SUCH_SAVEPOINT:
+            raise TransactionEnded(str(exc)) from exc
+        if app and code in _CONFLICTS:
+            raise TransactionConflict(exc) from exc
+        raise
+
+
+def _to_mark(conn: Any, verb: str) -> str:
+    """The statement that releases the savepoint or rolls back to it. No open transaction
+    (the app's COMMIT said so in its reply) means the app ended the guard's."""
+    if not _in_transaction(conn):
+        raise TransactionEnded("the connection has no open transaction")
+    return f"{verb} SAVEPOINT {SAVEPOINT}"
 
 
 class _PyMySQLTx:
-    """Runs transaction operations on one PyMySQL connection."""
+    """Runs transaction operations on one PyMySQL connection. ``app``: the app's connection
+    (a guarded call), whose serialization failures and deadlocks its caller gets raw."""
 
-    def __init__(self, conn: pymysql.connections.Connection[Any], on_store: Any) -> None:
+    def __init__(
+        self, conn: pymysql.connections.Connection[Any], on_store: Any, *, app: bool = False
+    ) -> None:
         self._conn = conn
         self._on_store = on_store
+        self._app = app
         self._count = 0
+        self._marked = False
 
     def run(self, gen: TxGen[T]) -> T:
         with mapped_errors():
             return drive(gen, self._do)
 
+    def _execute(self, sql: str, params: Any = None, *, fetch: bool = False) -> Any:
+        with self._conn.cursor() as cursor:
+            self._count = cursor.execute(sql, params)
+            return list(cursor.fetchall()) if fetch else None
+
     def _do(self, op: Any) -> Any:
         conn = self._conn
-        with mapped_errors():
+        with mapped_errors(), _translated(self._app):
             match op:
                 case Statement(sql, params, fetch):
                     if sql == ROW_COUNT:
                         # The driver read it from the last statement's OK packet.
                         return [(self._count,)]
-                    with conn.cursor() as cursor:
-                        self._count = cursor.execute(_pyformat(sql), params)
-                        return list(cursor.fetchall()) if fetch else None
+                    return self._execute(_pyformat(sql), params, fetch=fetch)
                 case Begin():
-                    if _needs_begin(conn):
+                    began = not _in_transaction(conn)
+                    if began and conn.get_autocommit():
                         conn.begin()
+                    return began
+                case Mark():
+                    self._marked = True
+                    return self._execute(_SAVEPOINT_SQL)
+                case Check() if self._marked:
+                    self._marked = False
+                    return self._execute(_to_mark(conn, "RELEASE"))
+                case Check():
                     return None
+                case Undo():
+                    return self._execute(_to_mark(conn, "ROLLBACK TO"))
                 case Commit():
+                    self._marked = False
                     return conn.commit()
                 case Rollback():
+                    self._marked = False
                     return conn.rollback()
                 case OnStore(gen):
                     return self._on_store(gen)
@@ -242,32 +368,50 @@ class _Cursor(aiomysql.Cursor):  # type: ignore[misc]
 class _AioMySQLTx:
     """The asynchronous twin of `_PyMySQLTx`, on one aiomysql connection."""
 
-    def __init__(self, conn: aiomysql.Connection, on_store: Any) -> None:
+    def __init__(self, conn: aiomysql.Connection, on_store: Any, *, app: bool = False) -> None:
         self._conn = conn
         self._on_store = on_store
+        self._app = app
         self._count = 0
+        self._marked = False
 
     async def run(self, gen: TxGen[T]) -> T:
         with mapped_errors():
             return await adrive(gen, self._do)
 
+    async def _execute(self, sql: str, params: Any = None, *, fetch: bool = False) -> Any:
+        async with self._conn.cursor(_Cursor) as cursor:
+            self._count = await cursor.execute(sql, params)
+            return list(await cursor.fetchall()) if fetch else None
+
     async def _do(self, op: Any) -> Any:
         conn = self._conn
-        with mapped_errors():
+        with mapped_errors(), _translated(self._app):
             match op:
                 case Statement(sql, params, fetch):
                     if sql == ROW_COUNT:
                         return [(self._count,)]
-                    async with conn.cursor(_Cursor) as cursor:
-                        self._count = await cursor.execute(_pyformat(sql), params)
-                        return list(await cursor.fetchall()) if fetch else None
+                    return await self._execute(_pyformat(sql), params, fetch=fetch)
                 case Begin():
-                    if _needs_begin(conn):
+                    began = not _in_transaction(conn)
+                    if began and conn.get_autocommit():
                         await conn.begin()
+                    return began
+                case Mark():
+                    self._marked = True
+                    return await self._execute(_SAVEPOINT_SQL)
+                case Check() if self._marked:
+                    self._marked = False
+                    return await self._execute(_to_mark(conn, "RELEASE"))
+                case Check():
                     return None
+                case Undo():
+                    return await self._execute(_to_mark(conn, "ROLLBACK TO"))
                 case Commit():
+                    self._marked = False
                     return await conn.commit()
                 case Rollback():
+                    self._marked = False
                     return await conn.rollback()
                 case OnStore(gen):
                     return await self._on_store(gen)
@@ -284,7 +428,7 @@ class _Pool:
         self._idle: list[tuple[pymysql.connections.Connection[Any], float]] = []
 
     def _open(self) -> pymysql.connections.Connection[Any]:
-        conn: pymysql.connections.Connection[Any] = pymysql.connect(**self._options)
+        conn = _connect(self._options)
         try:
             check_server(_server_version(conn))
         except ConfigurationError:
@@ -337,7 +481,16 @@ def _binding(
     timeout itself, and the logic of the mode."""
     timeout = DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
     waiting = dialect.waiting(lock_wait_seconds(timeout))
-    return waiting, timeout, unit_logic(waiting, mode, timeout)
+
+    def bounded(wait: timedelta) -> MySQLDialect:
+        return dialect.waiting(lock_wait_seconds(wait))
+
+    return waiting, timeout, unit_logic(waiting, mode, timeout, bounded)
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """Whether a driver error ended the app's transaction as a conflict (see `_CONFLICTS`)."""
+    return isinstance(exc, pymysql.err.Error) and _code(exc) in _CONFLICTS
 
 
 class MySQLStore(SqlStore):
@@ -348,6 +501,10 @@ class MySQLStore(SqlStore):
         table: the records table (``database.table`` allowed); create it with `migrate`.
         max_size: at most this many connections of the store's own.
         connect_args: more keyword arguments for ``pymysql.connect`` (``ssl=...``).
+        connect_timeout: how long connecting and logging in may take (seconds or a
+            timedelta); default: the URL's ``connect_timeout``, else 5 s. A server that is
+            down, refuses or does not answer fails a call within it, with
+            `StoreUnavailableError` saying why.
 
     >>> store = MySQLStore("mysql://root@127.0.0.1:3306/test")  # doctest: +SKIP
     """
@@ -359,10 +516,13 @@ class MySQLStore(SqlStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 10,
         connect_args: Mapping[str, Any] | None = None,
+        connect_timeout: timedelta | float | None = None,
     ) -> None:
         self._mysql = MySQLDialect(table)
         super().__init__(self._mysql)
-        self._pool = _Pool(_options(url, connect_args), max_size)
+        options = _options(url, connect_args, connect_timeout)
+        self.connect_timeout = timedelta(seconds=options["connect_timeout"])
+        self._pool = _Pool(options, max_size)
 
     def run(self, gen: TxGen[T]) -> T:
         with mapped_errors(), self._pool.connection() as conn:
@@ -376,10 +536,11 @@ class MySQLStore(SqlStore):
         dialect, timeout, logic = _binding(self._mysql, mode, lock_timeout)
         if isinstance(conn, pymysql.connections.Connection):
             check_server(_server_version(conn))
-            return SyncUnit(logic, _PyMySQLTx(conn, self.run).run)
+            return SyncUnit(logic, _PyMySQLTx(conn, self.run, app=True).run)
         from ._sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        return SyncUnit(logic, SqlAlchemyTx(conn, dialect, timeout, self.run, map_error).run)
+        executor = SqlAlchemyTx(conn, dialect, timeout, self.run, map_error, conflict=is_conflict)
+        return SyncUnit(logic, executor.run)
 
     def close(self) -> None:
         self._pool.close()
@@ -396,10 +557,12 @@ class AsyncMySQLStore(AsyncSqlStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 10,
         connect_args: Mapping[str, Any] | None = None,
+        connect_timeout: timedelta | float | None = None,
     ) -> None:
         self._mysql = MySQLDialect(table)
         super().__init__(self._mysql)
-        options = _options(url, connect_args)
+        options = _options(url, connect_args, connect_timeout)
+        self.connect_timeout = timedelta(seconds=options["connect_timeout"])
         if "database" in options:  # aiomysql's name for it
             options["db"] = options.pop("database")
         self._options = options
@@ -412,11 +575,18 @@ class AsyncMySQLStore(AsyncSqlStore):
             self._opening = asyncio.Lock()
         async with self._opening:
             if self._pool is None:
-                self._pool = await aiomysql.create_pool(
-                    minsize=1,
-                    maxsize=self._max_size,
-                    **self._options,
-                )
+                timeout = self._options["connect_timeout"]
+                try:
+                    # aiomysql's connect_timeout, like PyMySQL's, bounds only the TCP connect.
+                    async with asyncio.timeout(timeout):
+                        self._pool = await aiomysql.create_pool(
+                            minsize=1,
+                            maxsize=self._max_size,
+                            **self._options,
+                        )
+                except (pymysql.err.Error, OSError) as exc:
+                    where = _where(self._options)
+                    raise cannot_connect("MariaDB", where, _reason(exc, timeout)) from exc
         return self._pool
 
     async def run(self, gen: TxGen[T]) -> T:
@@ -434,10 +604,13 @@ class AsyncMySQLStore(AsyncSqlStore):
         dialect, timeout, logic = _binding(self._mysql, mode, lock_timeout)
         if isinstance(conn, aiomysql.Connection):
             check_server(_server_version(conn))
-            return AsyncUnit(logic, _AioMySQLTx(conn, self.run).run)
+            return AsyncUnit(logic, _AioMySQLTx(conn, self.run, app=True).run)
         from ._sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        return AsyncUnit(logic, AsyncSqlAlchemyTx(conn, dialect, timeout, self.run, map_error).run)
+        executor = AsyncSqlAlchemyTx(
+            conn, dialect, timeout, self.run, map_error, conflict=is_conflict
+        )
+        return AsyncUnit(logic, executor.run)
 
     async def aclose(self) -> None:
         if self._pool is not None:

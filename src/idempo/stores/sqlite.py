@@ -11,25 +11,34 @@ processes sharing the file. Transactional mode runs on the app's own ``sqlite3.C
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from ..errors import IdempotencyError, StoreError, StoreUnavailableError
+from . import schema_missing
 from ._sql import SQLiteDialect, Statement, drive
 from ._units import (
+    SAVEPOINT,
     AsyncSqlStore,
     AsyncUnit,
     Begin,
+    Check,
     Commit,
     LockTimeoutError,
+    Mark,
     OnStore,
     Rollback,
     SqlStore,
     SyncUnit,
+    TransactionEnded,
     TxGen,
+    Undo,
     unit_logic,
 )
 from .base import Mode
@@ -44,13 +53,51 @@ DEFAULT_BUSY_TIMEOUT = timedelta(seconds=10)
 
 def map_error(exc: BaseException) -> BaseException:
     """A sqlite3 error as the idempo error it means; anything else unchanged."""
-    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-        return LockTimeoutError(str(exc))
     if isinstance(exc, sqlite3.OperationalError):
-        return StoreUnavailableError(f"SQLite failed: {exc}")
+        text = str(exc)
+        if "locked" in text:
+            return LockTimeoutError(text)
+        if text.startswith("no such table: "):
+            return schema_missing("SQLite", f"table {text.removeprefix('no such table: ')}")
+        if "readonly database" in text:
+            return StoreUnavailableError(f"the SQLite file is read-only: {text}")
+        return StoreUnavailableError(f"SQLite failed: {text}")
     if isinstance(exc, sqlite3.Error):
         return StoreError(f"SQLite failed: {exc}")
     return exc
+
+
+def _open_failure(path: str, exc: sqlite3.Error, *, must_exist: bool) -> StoreUnavailableError:
+    """Why ``path`` cannot be opened, in words: SQLite itself only says "unable to open
+    database file", whatever the reason."""
+    return StoreUnavailableError(f"cannot open {path}: {_why(path, exc, must_exist=must_exist)}")
+
+
+def _why(path: str, exc: sqlite3.Error, *, must_exist: bool) -> str:
+    if path == ":memory:":
+        return str(exc)
+    target = Path(path).absolute()
+    if target.is_dir():
+        return "it is a directory, not a database file"
+    existing = next(p for p in target.parents if p.exists())  # "/" at worst
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if existing != target.parent:
+        return f"directory {target.parent} does not exist"
+    if must_exist and not target.exists():
+        return "the file does not exist (idempo migrate creates it)"
+    if _read_only_volume(existing):
+        return "read-only file system"
+    if not os.access(target if target.exists() else existing, os.R_OK | os.W_OK):
+        return f"permission denied ({exc})"
+    return str(exc)
+
+
+def _read_only_volume(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 class _Sqlite3Tx:
@@ -59,38 +106,90 @@ class _Sqlite3Tx:
     def __init__(self, conn: sqlite3.Connection, on_store: Callable[[Any], Any]) -> None:
         self._conn = conn
         self._on_store = on_store
+        self._marked = False
 
     def run(self, gen: TxGen[T]) -> T:
         return drive(gen, self._do)
 
     def _do(self, op: Any) -> Any:
+        conn = self._conn
         try:
             match op:
                 case Statement(sql, params, _):
-                    return self._conn.execute(sql, params).fetchall()
-                case Begin(lazy=True):
-                    # Deferred: the work's first write takes the write lock. Taking it now
-                    # would stall every other writer, takeovers included, while the work runs.
-                    if not self._conn.in_transaction:
-                        self._conn.execute("BEGIN")
-                    return None
+                    return conn.execute(sql, params).fetchall()
                 case Begin():
-                    if not self._conn.in_transaction:
-                        # IMMEDIATE takes the write lock now: a duplicate waits here, not in
-                        # a lock upgrade that SQLite would have to fail.
-                        self._conn.execute("BEGIN IMMEDIATE")
+                    return self._begin(op)
+                case Mark():
+                    conn.execute(f"SAVEPOINT {SAVEPOINT}")
+                    self._marked = True
                     return None
+                case Check() if self._marked:
+                    self._marked = False
+                    return self._to_mark(f"RELEASE {SAVEPOINT}")
+                case Check():
+                    return None
+                case Undo():
+                    return self._to_mark(f"ROLLBACK TO {SAVEPOINT}")
                 case Commit():
-                    return self._conn.commit()
+                    self._marked = False
+                    return conn.commit()
                 case Rollback():
-                    return self._conn.rollback()
+                    self._marked = False
+                    return conn.rollback()
                 case OnStore(gen):
                     return self._on_store(gen)
-        except (IdempotencyError, LockTimeoutError):
+        except (IdempotencyError, LockTimeoutError, TransactionEnded):
             raise
         except sqlite3.Error as exc:
             raise map_error(exc) from exc
         raise AssertionError(f"unknown operation {op!r}")
+
+    def _begin(self, op: Begin) -> bool:
+        conn = self._conn
+        if conn.in_transaction:
+            return False
+        if op.lazy:
+            # Deferred: the work's first write takes the write lock. Taking it now would
+            # stall every other writer, takeovers included, while the work runs.
+            conn.execute("BEGIN")
+        else:
+            # IMMEDIATE takes the write lock now: a duplicate waits here, not in a lock
+            # upgrade that SQLite would have to fail (EXCLUSIVE if the app set its
+            # connection to that).
+            exclusive = conn.isolation_level == "EXCLUSIVE"
+            begin = "BEGIN EXCLUSIVE" if exclusive else "BEGIN IMMEDIATE"
+            _begin_within(conn, begin, op.lock_timeout)
+        return True
+
+    def _to_mark(self, sql: str) -> None:
+        """Release the savepoint or roll back to it; it is gone if the app ended the guard's
+        transaction (committed or rolled back) inside the block."""
+        if not self._conn.in_transaction:
+            raise TransactionEnded("the connection has no open transaction")
+        try:
+            self._conn.execute(sql)
+        except sqlite3.OperationalError as exc:
+            if "no such savepoint" not in str(exc):
+                raise
+            raise TransactionEnded(str(exc)) from exc
+
+
+def _begin_within(conn: sqlite3.Connection, begin: str, lock_timeout: timedelta | None) -> None:
+    """``begin``, waiting for another writer's lock at most ``lock_timeout`` (a caller with a
+    deadline) if that is less than the connection's own busy timeout."""
+    if lock_timeout is None:
+        conn.execute(begin)
+        return
+    (own,) = conn.execute("PRAGMA busy_timeout").fetchone()
+    bound = max(0, int(lock_timeout.total_seconds() * 1000))
+    if bound >= own:
+        conn.execute(begin)
+        return
+    conn.execute(f"PRAGMA busy_timeout = {bound}")
+    try:
+        conn.execute(begin)
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {int(own)}")
 
 
 class SQLiteStore(SqlStore):
@@ -101,6 +200,13 @@ class SQLiteStore(SqlStore):
             private database (tests only: threads then do not share it).
         table: the records table; create it with `migrate`.
         busy_timeout: how long a writer waits for another writer's lock.
+        read_only: open the file for reading only (``get``, ``stats``); it is never
+            created, and on a read-only volume it is still read.
+        create: create the file if it is missing (the default); False: it must exist.
+
+    A file that cannot be opened raises `StoreUnavailableError` saying why (missing
+    directory, a directory, read-only volume, not a database); a missing table raises
+    `SchemaMissingError`.
 
     >>> store = SQLiteStore("/tmp/idempo-doc.db"); store.migrate(); store.close()
     """
@@ -111,10 +217,14 @@ class SQLiteStore(SqlStore):
         *,
         table: str = DEFAULT_TABLE,
         busy_timeout: timedelta = DEFAULT_BUSY_TIMEOUT,
+        read_only: bool = False,
+        create: bool = True,
     ) -> None:
         super().__init__(SQLiteDialect(table))
         self.path = path
         self._busy_timeout = busy_timeout
+        self.read_only = read_only
+        self._create = create and not read_only
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -124,15 +234,46 @@ class SQLiteStore(SqlStore):
         self._writer = threading.RLock()
 
     def connect(self) -> sqlite3.Connection:
-        """A new connection to the store's file, set up as idempo expects (WAL, busy timeout)."""
+        """A new connection to the store's file, set up as idempo expects (WAL, busy timeout).
+
+        Raises `StoreUnavailableError` saying why the file cannot be opened.
+        """
+        try:
+            return self._open(immutable=False)
+        except sqlite3.Error as exc:
+            if not (self.read_only and _read_only_volume(Path(self.path).absolute().parent)):
+                raise _open_failure(self.path, exc, must_exist=not self._create) from exc
+            # A WAL file on a read-only volume cannot be opened even read-only (SQLite needs
+            # to create its -shm file). Nothing on this host can write it there, so reading
+            # it as immutable is what read-only means.
+            try:
+                return self._open(immutable=True)
+            except sqlite3.Error as again:
+                raise _open_failure(self.path, again, must_exist=True) from again
+
+    def _open(self, *, immutable: bool) -> sqlite3.Connection:
+        target, uri = self.path, False
+        if not self._create and self.path != ":memory:":
+            mode = "ro" if self.read_only else "rw"
+            target = f"file:{quote(os.path.abspath(self.path))}?mode={mode}"
+            target += "&immutable=1" if immutable else ""
+            uri = True
         conn = sqlite3.connect(
-            self.path,
+            target,
             timeout=self._busy_timeout.total_seconds(),
             isolation_level=None,
             check_same_thread=False,
+            uri=uri,
         )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            if self.read_only:
+                conn.execute("PRAGMA schema_version")  # reads the header: "not a database"
+            else:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _connection(self) -> sqlite3.Connection:
@@ -194,6 +335,18 @@ class SQLiteStore(SqlStore):
         self._local = threading.local()
 
 
+class _Abandoned(Exception):
+    """The caller of a transaction running in a worker thread was cancelled."""
+
+
+def _unless(abandoned: threading.Event, gen: TxGen[T]) -> TxGen[T]:
+    """``gen``, ending in an error (so its transaction rolls back) once ``abandoned`` is set."""
+    result = yield from gen
+    if abandoned.is_set():
+        raise _Abandoned
+    return result
+
+
 class AsyncSQLiteStore(AsyncSqlStore):
     """The asynchronous twin of `SQLiteStore`: the same work in a worker thread."""
 
@@ -203,12 +356,24 @@ class AsyncSQLiteStore(AsyncSqlStore):
         *,
         table: str = DEFAULT_TABLE,
         busy_timeout: timedelta = DEFAULT_BUSY_TIMEOUT,
+        read_only: bool = False,
+        create: bool = True,
     ) -> None:
-        self._sync = SQLiteStore(path, table=table, busy_timeout=busy_timeout)
+        self._sync = SQLiteStore(
+            path, table=table, busy_timeout=busy_timeout, read_only=read_only, create=create
+        )
         super().__init__(self._sync.dialect)
 
     async def run(self, gen: TxGen[T]) -> T:
-        return await asyncio.to_thread(self._sync.run, gen)
+        # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn
+        # what it committed (a reservation nobody holds the token of). The thread rolls back
+        # instead, unless the cancellation came after its last statement.
+        abandoned = threading.Event()
+        try:
+            return await asyncio.to_thread(self._sync.run, _unless(abandoned, gen))
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None

@@ -1,0 +1,470 @@
+"""The Redis store on a wire that loses replies and callers that give up mid-command.
+
+A `Proxy` sits on loopback between the store's client and the machine's Redis server and
+forwards bytes both ways, except that it can be told to spring one trap on the next command
+that carries a given script's SHA: drop the connection right after the server answered (the
+server applied the command, the client never hears it), or hold the command or its answer
+until the test lets go. redis-py 8 re-sends a command whose connection broke (a client built by
+hand retries 10 times by default), so a lost reply is a command run twice; a caller cancelled
+mid-command leaves redis-py to drop the connection, and the store to undo what it may have
+reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+import pytest
+import redis
+import redis.asyncio
+
+from idempo import Scope, Status
+from idempo._record import Acquired
+from idempo.stores import redis as redis_module
+from idempo.stores.redis import AsyncRedisStore, RedisStore
+
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+LEASE = timedelta(seconds=30)
+TTL = timedelta(hours=1)
+WAIT = 10.0  # seconds any step may take before the test fails instead of hanging
+
+Action = Literal["drop-reply", "hold-command", "hold-reply"]
+
+
+@dataclass
+class Trap:
+    """What to do to the next command carrying ``needle``; ``sprung`` is set once it did."""
+
+    needle: bytes
+    action: Action
+    sprung: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+
+
+class Proxy:
+    """A loopback TCP proxy in front of ``upstream``, with traps set one command at a time."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.traps: list[Trap] = []
+        self.connections = 0
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def trap(self, needle: bytes, action: Action) -> Trap:
+        """Spring ``action`` on the next command that carries ``needle`` (after any earlier
+        traps have sprung)."""
+        trap = Trap(needle, action)
+        with self.lock:
+            self.traps.append(trap)
+        return trap
+
+    def _take(self, data: bytes) -> Trap | None:
+        with self.lock:
+            if self.traps and self.traps[0].needle in data:
+                return self.traps.pop(0)
+        return None
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            with self.lock:
+                self.connections += 1
+                self.sockets += [client, server]
+            # The server-to-client pump learns from the other what to do with the next answer.
+            answers: list[Trap] = []
+            for source, sink, pump in ((client, server, True), (server, client, False)):
+                thread = threading.Thread(
+                    target=self._pump, args=(source, sink, pump, answers), daemon=True
+                )
+                self.threads.append(thread)
+                thread.start()
+
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, commands: bool, answers: list[Trap]
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                trap = self._take(data) if commands else (answers.pop(0) if answers else None)
+                if trap is None:
+                    sink.sendall(data)
+                elif commands and trap.action == "hold-command":
+                    trap.sprung.set()
+                    trap.go.wait(WAIT)
+                    # Sent even if the client is gone: a command already on the wire arrives.
+                    sink.sendall(data)
+                elif commands:
+                    answers.append(trap)
+                    sink.sendall(data)
+                elif trap.action == "drop-reply":
+                    # The server has answered, so it applied the command; the client never
+                    # hears it.
+                    self._cut(source, sink)
+                    trap.sprung.set()
+                    return
+                else:  # hold-reply
+                    trap.sprung.set()
+                    trap.go.wait(WAIT)
+                    sink.sendall(data)
+        self._cut(source, sink)
+
+    @staticmethod
+    def _cut(*sockets: socket.socket) -> None:
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._cut(self.listener)  # wakes the accept; closing alone would not
+        self.listener.close()
+        with self.lock:
+            for trap in self.traps:
+                trap.go.set()
+            self._cut(*self.sockets)
+        for thread in self.threads:
+            thread.join(WAIT)
+        for sock in self.sockets:
+            sock.close()
+
+
+@pytest.fixture
+def proxy(redis_url: str) -> Iterator[Proxy]:
+    """A proxy in front of the machine's Redis server."""
+    target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    p = Proxy((target.get("host", "127.0.0.1"), int(target.get("port", 6379))))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _load_scripts(redis_url: str) -> None:
+    """Load every script once, directly: a first EVALSHA answered NOSCRIPT (and re-sent by
+    redis-py) would spring a trap without running anything."""
+    with redis.Redis.from_url(redis_url) as direct:
+        for name in dir(redis_module):
+            text = getattr(redis_module, name)
+            if name.isupper() and isinstance(text, str) and "redis.call" in text:
+                direct.script_load(text)
+
+
+class Face:
+    """A store on the proxy, through a client built by hand (so it retries like redis-py's
+    default), behind awaited verbs; the sync store's verbs run in worker threads."""
+
+    def __init__(self, store: RedisStore | AsyncRedisStore) -> None:
+        self.store = store
+        self.is_async = isinstance(store, AsyncRedisStore)
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        verb = getattr(self.store, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.is_async:
+                return await verb(*args, **kwargs)
+            return await anyio.to_thread.run_sync(functools.partial(verb, *args, **kwargs))
+
+        return call
+
+    def sha(self, verb: str) -> bytes:
+        """The SHA of the script ``verb`` runs: what the proxy's traps look for."""
+        name = {"complete": "settle", "fail": "settle"}.get(verb, verb)
+        script: Any = getattr(self.store, f"_{name}")
+        return str(script.sha).encode()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("sync", "client"), id="sync-own-client"),
+        pytest.param(("async", "client"), id="async-own-client"),
+        pytest.param(("sync", "url"), id="sync-url"),
+        pytest.param(("async", "url"), id="async-url"),
+    ]
+)
+async def face(
+    request: pytest.FixtureRequest, proxy: Proxy, redis_url: str, redis_prefix: str
+) -> Any:
+    """A store of each face through the proxy: on an app's client built by hand (which
+    redis-py makes retry ten times), or built by the store from a URL (once)."""
+    _load_scripts(redis_url)
+    kind, built = request.param
+    options: dict[str, Any] = {"socket_timeout": WAIT}
+    store: RedisStore | AsyncRedisStore
+    if built == "url":
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+        store = (RedisStore if kind == "sync" else AsyncRedisStore)(
+            url, prefix=redis_prefix, **options
+        )
+    elif kind == "sync":
+        store = RedisStore(client=redis.Redis(port=proxy.port, **options), prefix=redis_prefix)
+    else:
+        aclient = redis.asyncio.Redis(port=proxy.port, **options)
+        store = AsyncRedisStore(client=aclient, prefix=redis_prefix)
+    try:
+        yield Face(store)
+    finally:
+        if isinstance(store, RedisStore):
+            store.close()
+            store.client.close()
+        else:
+            await store.aclose()
+            await store.client.aclose()
+
+
+@pytest.fixture
+def direct(redis_url: str, redis_prefix: str) -> Iterator[RedisStore]:
+    """A second store on the same prefix that talks to Redis without the proxy."""
+    store = RedisStore(redis_url, prefix=redis_prefix)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+async def sprung(trap: Trap) -> None:
+    assert await anyio.to_thread.run_sync(trap.sprung.wait, WAIT), trap
+
+
+def scope(key: str = "k-1") -> Scope:
+    return Scope.of(key, operation="charge", principal="alice")
+
+
+# -- lost replies ----------------------------------------------------------------------------
+
+
+async def test_reserve_whose_reply_was_lost_is_acquired_when_resent(
+    face: Face, proxy: Proxy, direct: RedisStore
+) -> None:
+    """A reserve the server applied but whose reply the connection lost is re-sent by redis-py;
+    it finds its own reservation and acquires it, instead of reporting the key "in progress"
+    for a whole lease."""
+    trap = proxy.trap(face.sha("reserve"), "drop-reply")
+
+    reservation = await face.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
+
+    assert trap.sprung.is_set()
+    assert proxy.connections == 2  # the re-sent command went on a new connection
+    assert isinstance(reservation, Acquired), reservation
+    record = direct.get(scope())
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, reservation.token)
+    await face.complete(scope(), reservation.token, b"done", now=None, ttl=TTL)
+    done = direct.get(scope())
+    assert done is not None
+    assert (done.status, done.response) == (Status.COMPLETED, b"done")
+
+
+@pytest.mark.parametrize("verb", ["complete", "fail", "renew"])
+async def test_settle_or_renew_whose_reply_was_lost_succeeds_when_resent(
+    face: Face, proxy: Proxy, direct: RedisStore, verb: str
+) -> None:
+    """A complete, fail or renew applied but unanswered succeeds when redis-py re-sends it."""
+    reservation = await face.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(reservation, Acquired)
+    trap = proxy.trap(face.sha(verb), "drop-reply")
+
+    if verb == "renew":
+        await face.renew(scope(), reservation.token, now=None, lease=LEASE)
+    else:
+        await getattr(face, verb)(scope(), reservation.token, b"answer", now=None, ttl=TTL)
+
+    assert trap.sprung.is_set()
+    record = direct.get(scope())
+    assert record is not None
+    expected = {"complete": Status.COMPLETED, "fail": Status.FAILED, "renew": Status.IN_PROGRESS}
+    assert (record.status, record.token) == (expected[verb], reservation.token)
+
+
+async def test_release_resent_late_leaves_a_newer_reservation_alone(
+    face: Face, proxy: Proxy, direct: RedisStore
+) -> None:
+    """A release applied but unanswered, re-sent by redis-py only after another caller
+    reserved the freed key, cannot delete that caller's reservation: its token is new."""
+    reservation = await face.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(reservation, Acquired)
+    lost = proxy.trap(face.sha("release"), "drop-reply")
+    resent = proxy.trap(face.sha("release"), "hold-command")
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(face.release, scope(), reservation.token)
+        await sprung(lost)
+        await sprung(resent)
+        newer = direct.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
+        assert isinstance(newer, Acquired)
+        resent.go.set()
+
+    record = direct.get(scope())
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, newer.token)
+    assert newer.token > reservation.token
+
+
+# -- cancellation ----------------------------------------------------------------------------
+
+
+def _awaiting(task: asyncio.Task[Any]) -> list[str]:
+    """The names of the coroutines ``task`` is suspended in, outermost first."""
+    names, coro = [], task.get_coro()
+    while coro is not None:
+        names.append(getattr(coro, "__qualname__", type(coro).__name__))
+        coro = getattr(coro, "cr_await", None)
+    return names
+
+
+async def reading(task: asyncio.Task[Any], started: Trap) -> None:
+    """Once the trap has sprung, until ``task`` waits for the answer the proxy holds.
+
+    Only then is a cancellation sure to reach it: Python 3.11's ``asyncio.wait_for``, which
+    redis-py sends a command under, drops a cancellation that lands in the loop step where
+    the send finishes (fixed in 3.12), and the command then simply goes on to completion.
+    """
+    await sprung(started)
+    for _ in range(10_000):
+        chain = _awaiting(task)
+        if any(name.endswith(".read_response") for name in chain) and "wait_for" not in chain:
+            return
+        await asyncio.sleep(0)
+    pytest.fail(f"the call never waited for its answer: {_awaiting(task)}")
+
+
+async def cancel_task(call: Callable[[], Awaitable[Any]], started: Trap) -> None:
+    task = asyncio.ensure_future(call())
+    await reading(task, started)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def asyncio_timeout(call: Callable[[], Awaitable[Any]], started: Trap) -> None:
+    async def cancel_when_sprung(deadline: asyncio.Timeout, caller: asyncio.Task[Any]) -> None:
+        await reading(caller, started)
+        deadline.reschedule(asyncio.get_running_loop().time())
+
+    async def timed() -> None:
+        caller = asyncio.current_task()
+        assert caller is not None
+        async with asyncio.timeout(None) as deadline:
+            watcher = asyncio.ensure_future(cancel_when_sprung(deadline, caller))
+            try:
+                await call()
+            finally:
+                await watcher
+
+    with pytest.raises(TimeoutError):
+        await timed()
+
+
+async def anyio_move_on(call: Callable[[], Awaitable[Any]], started: Trap) -> None:
+    caller = asyncio.current_task()
+    assert caller is not None
+    with anyio.CancelScope() as cancel_scope:
+        async with anyio.create_task_group() as tasks:
+
+            async def cancel_when_sprung() -> None:
+                await reading(caller, started)
+                cancel_scope.cancel()
+
+            tasks.start_soon(cancel_when_sprung)
+            await call()
+            pytest.fail("the call was not cancelled")  # pragma: no cover
+    assert cancel_scope.cancelled_caught
+
+
+CANCELS = [
+    pytest.param(cancel_task, id="task-cancel"),
+    pytest.param(asyncio_timeout, id="asyncio-timeout"),
+    pytest.param(anyio_move_on, id="anyio-cancel-scope"),
+]
+
+
+@pytest.fixture
+async def aface(proxy: Proxy, redis_url: str, redis_prefix: str) -> Any:
+    """An AsyncRedisStore through the proxy, on a client it built from a URL."""
+    _load_scripts(redis_url)
+    store = AsyncRedisStore(
+        f"redis://127.0.0.1:{proxy.port}/0", prefix=redis_prefix, socket_timeout=WAIT
+    )
+    try:
+        yield Face(store)
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("cancel", CANCELS)
+async def test_cancelled_reserve_leaves_neither_a_reply_in_the_pool_nor_the_key_wedged(
+    aface: Face, proxy: Proxy, direct: RedisStore, cancel: Any
+) -> None:
+    """A reserve cancelled after Redis applied it, while its answer is on the wire, leaves no
+    unread reply on a pooled connection (the next commands get their own answers) and no
+    reservation behind: the key is free for the next caller."""
+    store = aface.store
+    assert isinstance(store, AsyncRedisStore)
+    trap = proxy.trap(aface.sha("reserve"), "hold-reply")
+
+    await cancel(lambda: store.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL), trap)
+    trap.go.set()
+    await store._drain()
+
+    assert direct.get(scope()) is None
+    for key in ("a", "b"):
+        reservation = await store.reserve(scope(key), "fp", now=None, lease=LEASE, ttl=TTL)
+        assert isinstance(reservation, Acquired), reservation
+        mine = await store.get(scope(key))
+        assert mine is not None
+        assert mine == direct.get(scope(key))
+    assert isinstance(await store.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL), Acquired)
+
+
+@pytest.mark.parametrize("cancel", CANCELS)
+@pytest.mark.parametrize("verb", ["complete", "renew", "release"])
+async def test_cancelled_settle_renew_or_release_leaves_the_pool_sound(
+    aface: Face, proxy: Proxy, direct: RedisStore, cancel: Any, verb: str
+) -> None:
+    """A complete, renew or release cancelled while its answer is on the wire leaves no unread
+    reply in the pool, and the holder can still finish: the record ends as its own token
+    says, never in the hands of a stale reply."""
+    store = aface.store
+    assert isinstance(store, AsyncRedisStore)
+    reservation = await store.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(reservation, Acquired)
+    token = reservation.token
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
+        "complete": lambda: store.complete(scope(), token, b"ok", now=None, ttl=TTL),
+        "renew": lambda: store.renew(scope(), token, now=None, lease=LEASE),
+        "release": lambda: store.release(scope(), token),
+    }
+    trap = proxy.trap(aface.sha(verb), "hold-reply")
+
+    await cancel(calls[verb], trap)
+    trap.go.set()
+
+    other = await store.reserve(scope("other"), "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(other, Acquired)
+    assert await store.get(scope("other")) == direct.get(scope("other"))
+    record = direct.get(scope())
+    if verb == "release":
+        assert record is None
+    else:
+        assert record is not None
+        assert record.token == token
+        await store.complete(scope(), token, b"ok", now=None, ttl=TTL)  # a retry of it: fine
+        assert await store.get(scope()) == direct.get(scope())
