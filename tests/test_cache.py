@@ -344,7 +344,8 @@ def test_evict_through_the_cache_forgets_the_record(clock: FakeClock) -> None:
     cached = CachedStore(inner)
     settle(cached, scope(), clock)
     old = inner.get(scope())
-    assert old is not None and len(cached.cache) == 1
+    assert old is not None
+    assert len(cached.cache) == 1
 
     assert cached.evict(scope()) is True
     assert cached.evict(scope()) is False

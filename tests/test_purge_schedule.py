@@ -316,12 +316,15 @@ def test_purge_spares_live_and_retained_records_under_random_schedules(
     """Whatever the interleaving of purges, takeovers and completions on separate
     connections, no live lease or record inside its retention is deleted."""
     store = database.store(pool_size=WORKERS + PURGERS + 2)
+    purged = 0
     try:
         for seed in range(FIRST_SEED, FIRST_SEED + SCHEDULES):
             outcomes = run_schedule(database, store, seed)
             found = violations(store, outcomes)
             assert not found, f"seed {seed}: " + "\n".join(found)
-            # The schedule did race: records were purged while takeovers ran.
-            assert outcomes.purged > 0, f"seed {seed}: no purge deleted anything"
+            purged += outcomes.purged
+        # The schedules did race: records were purged while takeovers ran. Counted over all
+        # of them: in one schedule the takeovers may, by the machine's timing, win every key.
+        assert purged > 0, "no purge deleted anything"
     finally:
         store.close()

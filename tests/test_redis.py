@@ -3,7 +3,9 @@
 The contract suite (tests/conformance) already runs against Redis, sync and async, on the
 machine's server and on a private three-node cluster; here the Redis store faces many threads,
 tasks and spawned processes at once, on both, and its own key naming. A server killed or frozen
-mid-use: tests/test_redis_faults.py; the cluster's slots: tests/test_redis_cluster.py.
+mid-use: tests/test_redis_faults.py; the cluster's slots: tests/test_redis_cluster.py; tokens,
+Redis's clock, undecodable records and evict: tests/test_redis_protocol.py; lost replies and
+cancelled calls: tests/test_redis_wire.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -32,6 +31,7 @@ from idempo import Scope, Status
 from idempo._record import Acquired
 from idempo.stores import redis as redis_module
 from idempo.stores.redis import AsyncRedisStore, RedisStore
+from test_redis_protocol import Face as StoreFace
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -167,26 +167,11 @@ def _load_scripts(redis_url: str) -> None:
                 direct.script_load(text)
 
 
-class Face:
-    """A store on the proxy, through a client built by hand (so it retries like redis-py's
-    default), behind awaited verbs; the sync store's verbs run in worker threads."""
-
-    def __init__(self, store: RedisStore | AsyncRedisStore) -> None:
-        self.store = store
-        self.is_async = isinstance(store, AsyncRedisStore)
-
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
-        verb = getattr(self.store, name)
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            if self.is_async:
-                return await verb(*args, **kwargs)
-            return await anyio.to_thread.run_sync(functools.partial(verb, *args, **kwargs))
-
-        return call
+class Face(StoreFace):
+    """A store of either face behind awaited verbs, with the SHAs the proxy's traps look for."""
 
     def sha(self, verb: str) -> bytes:
-        """The SHA of the script ``verb`` runs: what the proxy's traps look for."""
+        """The SHA of the script ``verb`` runs."""
         name = {"complete": "settle", "fail": "settle"}.get(verb, verb)
         script: Any = getattr(self.store, f"_{name}")
         return str(script.sha).encode()

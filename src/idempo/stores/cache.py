@@ -315,6 +315,7 @@ class CachedStore(_Wrapper, SyncUnit):
     >>> scope, now, hour = Scope("", "charge", "k1"), datetime.now(UTC), timedelta(hours=1)
     >>> token = store.reserve(scope, "fp", now=now, lease=hour, ttl=hour).token
     >>> store.complete(scope, token, b"42", now=now, ttl=hour)
+    >>> first = store.reserve(scope, "fp", now=now, lease=hour, ttl=hour)  # learned from the store
     >>> store.reserve(scope, "fp", now=now, lease=hour, ttl=hour).record.response, store.cache.hits
     (b'42', 1)
 
