@@ -680,7 +680,8 @@ async def test_consumer_killed_mid_message_loses_nothing_and_does_nothing_twice(
         # Tokens only grow: the taker's is above any the dead holder can have had, which
         # was the queue's first reservation of the victim (tokens of a fresh record start
         # at the store's counter or clock, so only "larger than a first one" is certain).
-        assert token and token[0][0] > 1
+        assert token
+        assert token[0][0] > 1
 
 
 async def _true(value: bool) -> bool:
