@@ -320,6 +320,27 @@ def async_store(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"async_{request.param}_store")
 
 
+# Every store on one node: tests of the call protocol, which the cluster's slot routing does
+# not change.
+SINGLE_NODE_KINDS = [kind for kind in STORE_KINDS if kind.id != "redis-cluster"]
+
+
+@pytest.fixture(params=SINGLE_NODE_KINDS)
+def node_store(request: pytest.FixtureRequest) -> Any:
+    """Every store but the Redis cluster, migrated and empty."""
+    if request.param == "memory":
+        return MemoryStore()
+    return request.getfixturevalue(f"{request.param}_store")
+
+
+@pytest.fixture(params=SINGLE_NODE_KINDS)
+def async_node_store(request: pytest.FixtureRequest) -> Any:
+    """Every async store but the Redis cluster, migrated and empty (async tests only)."""
+    if request.param == "memory":
+        return AsyncMemoryStore()
+    return request.getfixturevalue(f"async_{request.param}_store")
+
+
 STORE_FACES = [
     pytest.param((kind.values[0], face), marks=kind.marks, id=f"{kind.id}-{face}")
     for kind in STORE_KINDS

@@ -25,24 +25,6 @@ from idempo.stores.sqlite import AsyncSQLiteStore
 
 OPERATION = "test.cancel"
 
-ASYNC_STORES = [
-    pytest.param("memory", id="memory"),
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("pg", marks=pytest.mark.postgres, id="postgres"),
-    pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
-    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
-]
-
-
-@pytest.fixture(params=ASYNC_STORES)
-def async_store(request: pytest.FixtureRequest) -> Any:
-    """Every async store but the Redis cluster (its slot routing is not what is tested)."""
-    if request.param == "memory":
-        from idempo.stores.memory import AsyncMemoryStore
-
-        return AsyncMemoryStore()
-    return request.getfixturevalue(f"async_{request.param}_store")
-
 
 class AppError(Exception):
     pass
@@ -71,7 +53,7 @@ MOMENTS = [
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("moment", "verb", "applied", "raises", "left"), MOMENTS)
 async def test_a_cancelled_call_never_leaves_its_key_in_progress(
-    async_store: Any,
+    async_node_store: Any,
     kind: str,
     moment: str,
     verb: str,
@@ -79,7 +61,7 @@ async def test_a_cancelled_call_never_leaves_its_key_in_progress(
     raises: bool,
     left: Status | None,
 ) -> None:
-    gate = Gate(async_store, verb, applied=applied)
+    gate = Gate(async_node_store, verb, applied=applied)
     idem = AsyncIdempotency(gate, Policy(lease=timedelta(minutes=10)))
     scope = Scope.of("k-cancel", operation=OPERATION)
     ran: list[str] = []
@@ -115,7 +97,7 @@ async def test_a_cancelled_call_never_leaves_its_key_in_progress(
         assert isinstance(canceller.raised, asyncio.CancelledError)
         assert isinstance(canceller.raised.__context__, AppError), "the app's error is lost"
 
-    record = await async_store.get(scope)
+    record = await async_node_store.get(scope)
     assert (record.status if record else None) == left
     assert ran == ([] if moment == "reserve" else ["ran"]), "work after a cancellation"
 
@@ -133,7 +115,7 @@ async def test_a_cancelled_call_never_leaves_its_key_in_progress(
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_caller_cancelled_while_waiting_for_a_duplicate_leaves_its_record(
-    async_store: Any, kind: str
+    async_node_store: Any, kind: str
 ) -> None:
     """The wait (``policy.wait``) is no cleanup: it is cut at once, and the first holder's
     reservation stays as it was."""
@@ -143,7 +125,7 @@ async def test_a_caller_cancelled_while_waiting_for_a_duplicate_leaves_its_recor
         waiting.set()
         await asyncio.Event().wait()
 
-    idem = AsyncIdempotency(async_store, Policy(wait=timedelta(minutes=1), sleep=sleep))
+    idem = AsyncIdempotency(async_node_store, Policy(wait=timedelta(minutes=1), sleep=sleep))
     scope = Scope.of("k-wait", operation=OPERATION)
     async with idem.once(scope.key, operation=OPERATION) as first:
         canceller = Canceller(kind)
@@ -156,26 +138,26 @@ async def test_a_caller_cancelled_while_waiting_for_a_duplicate_leaves_its_recor
         await asyncio.wait_for(waiting.wait(), STEP)
         canceller.fire()
         await canceller.outcome(task)
-        record = await async_store.get(scope)
+        record = await async_node_store.get(scope)
         assert record is not None
         assert record.status is Status.IN_PROGRESS
         assert record.token == first.token
         first.result = "first"
-    record = await async_store.get(scope)
+    record = await async_node_store.get(scope)
     assert record is not None
     assert record.status is Status.COMPLETED
 
 
 @pytest.mark.anyio
 async def test_a_hung_store_cannot_hold_a_cancelled_caller(
-    async_store: Any, monkeypatch: pytest.MonkeyPatch
+    async_node_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The cleanup is bounded: a release that never answers is given up after
     ``CLEANUP_TIMEOUT``; the cancellation still reaches the caller."""
     from idempo import _flow
 
     monkeypatch.setattr(_flow, "CLEANUP_TIMEOUT", 0.05)
-    gate = Gate(async_store, "release", applied=False)  # never opened
+    gate = Gate(async_node_store, "release", applied=False)  # never opened
     idem = AsyncIdempotency(gate)
     working = asyncio.Event()
 
@@ -195,11 +177,11 @@ async def test_a_hung_store_cannot_hold_a_cancelled_caller(
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_cancellation_that_comes_while_the_work_is_cancelled_is_not_lost(
-    async_store: Any, kind: str
+    async_node_store: Any, kind: str
 ) -> None:
     """The work is cancelled by a plain ``task.cancel()``; the caller's scope fires while
     the guard releases: both reach the caller, nothing is uncancelled twice."""
-    gate = Gate(async_store, "release", applied=False)
+    gate = Gate(async_node_store, "release", applied=False)
     idem = AsyncIdempotency(gate)
     working = asyncio.Event()
     scope = Scope.of("k-twice", operation=OPERATION)
@@ -219,7 +201,7 @@ async def test_a_cancellation_that_comes_while_the_work_is_cancelled_is_not_lost
     gate.opened.set()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(task), STEP)
-    assert await async_store.get(scope) is None
+    assert await async_node_store.get(scope) is None
 
 
 @pytest.mark.anyio
@@ -287,14 +269,14 @@ def _request(key: str) -> dict[str, Any]:
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_request_cancelled_in_its_handler_releases_its_key(
-    async_store: Any, kind: str
+    async_node_store: Any, kind: str
 ) -> None:
     """Over ASGI: the server or the framework cancels the request while the handler runs (a
     client that went away, a timeout); the middleware's release gets through, and the retry
     runs the handler."""
     from idempo.asgi import IdempotencyMiddleware
 
-    gate = Gate(async_store, "release", applied=False)
+    gate = Gate(async_node_store, "release", applied=False)
     handling = asyncio.Event()
     calls: list[str] = []
 

@@ -1,11 +1,12 @@
 """A lost lease tells the work (issue 10, idemkit's vector), on the function API, every store.
 
 A first holder's lease ends (the test's clock moves one lease on) and a second holder takes the
-key over. The first's next background renewal is refused: in async code the task running its
-work is cancelled, and leaving ``async with Renewal(...)`` raises `FencedError` instead, so the
-work never reaches its external call; in sync code the attempt is marked
-(``attempt.lease_lost``) and its next ``renew()`` raises at once. Either way the first holder
-leaves the second's reservation alone, and the second's result is the one kept. A renewal
+key over. The first's next background renewal (``once(..., renew_every=)``, the consumers'
+automatic one) is refused: in async code the task running its work is cancelled, and leaving
+the block raises `FencedError` instead, so the work never reaches its external call; in sync
+code the attempt is marked (``attempt.lease_lost``) and its next ``renew()`` raises at once.
+Either way the first holder leaves the second's reservation alone, and the second's result is
+the one kept. A renewal
 held at a gate (tests/faults.py) makes the order exact: it is sent only after the takeover.
 """
 
@@ -14,68 +15,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from faults import STEP, Fault, Gate, Plan, VerbFaults
 from idempo import AsyncIdempotency, FencedError, Idempotency, Policy, Scope, Status
-from idempo._renewal import Renewal, ThreadRenewal
+from idempo.consumer import AsyncConsumer, Consumer, Delivery, Envelope, Reason
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.testing import FakeClock
 
 OPERATION = "test.lease"
 LEASE = timedelta(seconds=30)
 EVERY = 0.001  # renew at once: the gate decides when the renewal reaches the store
-logger = logging.getLogger("test.lost_lease")
-
-STORES = [
-    pytest.param("memory", id="memory"),
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("pg", marks=pytest.mark.postgres, id="postgres"),
-    pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
-    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
-]
 
 
-@pytest.fixture(params=STORES)
-def async_store(request: pytest.FixtureRequest) -> Any:
-    if request.param == "memory":
-        return AsyncMemoryStore()
-    return request.getfixturevalue(f"async_{request.param}_store")
-
-
-@pytest.fixture(params=STORES)
-def sync_store(request: pytest.FixtureRequest) -> Any:
-    if request.param == "memory":
-        return MemoryStore()
-    return request.getfixturevalue(f"{request.param}_store")
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(datetime(2026, 1, 1, tzinfo=UTC))
+def _eventually(condition: Any) -> bool:
+    """A renewal thread's answer is marked on the attempt just after the store replies."""
+    for _ in range(int(STEP / 0.001)):
+        if condition():
+            return True
+        threading.Event().wait(0.001)
+    return bool(condition())
 
 
 @pytest.mark.anyio
-async def test_a_lost_lease_cancels_the_async_work(async_store: Any, clock: FakeClock) -> None:
-    gate = Gate(async_store, "renew", applied=False)
+async def test_a_lost_lease_cancels_the_async_work(async_node_store: Any, clock: FakeClock) -> None:
+    gate = Gate(async_node_store, "renew", applied=False)
     idem = AsyncIdempotency(gate, Policy(clock=clock, lease=LEASE))
     scope = Scope.of("k-lost", operation=OPERATION)
     external: list[str] = []
     seen: dict[str, Any] = {}
 
     async def first() -> None:
-        async with idem.once(scope.key, operation=OPERATION) as attempt:
-            seen["attempt"] = attempt
-            try:
-                async with Renewal(attempt, EVERY, logger):
-                    await asyncio.Event().wait()  # slow work, past its lease
-                    external.append("charged")  # what a lost lease must prevent
-            finally:
-                seen["cancelling"] = asyncio.current_task().cancelling()  # type: ignore[union-attr]
-            attempt.result = "first"
+        try:
+            async with idem.once(scope.key, operation=OPERATION, renew_every=EVERY) as attempt:
+                seen["attempt"] = attempt
+                await asyncio.Event().wait()  # slow work, past its lease
+                external.append("charged")  # what a lost lease must prevent
+                attempt.result = "first"
+        finally:
+            seen["cancelling"] = asyncio.current_task().cancelling()  # type: ignore[union-attr]
 
     task = asyncio.get_running_loop().create_task(first())
     await asyncio.wait_for(gate.entered.wait(), STEP)  # its first renewal waits at the gate
@@ -88,7 +69,7 @@ async def test_a_lost_lease_cancels_the_async_work(async_store: Any, clock: Fake
         assert external == [], "the work went on after its lease was lost"
         assert seen["attempt"].lease_lost
         assert seen["cancelling"] == 0, "the lease's cancellation was not taken back"
-        record = await async_store.get(scope)
+        record = await async_node_store.get(scope)
         assert record is not None
         assert (record.status, record.token) == (Status.IN_PROGRESS, second.token)
         second.result = "second"
@@ -108,10 +89,7 @@ async def test_a_lost_lease_and_another_cancellation_leave_the_other_one(
     idem = AsyncIdempotency(gate, Policy(clock=clock, lease=LEASE))
 
     async def first() -> None:
-        async with (
-            idem.once("k-both", operation=OPERATION) as attempt,
-            Renewal(attempt, EVERY, logger),
-        ):
+        async with idem.once("k-both", operation=OPERATION, renew_every=EVERY):
             await asyncio.Event().wait()
 
     task = asyncio.get_running_loop().create_task(first())
@@ -135,17 +113,18 @@ async def test_a_store_fault_in_a_renewal_does_not_stop_the_work(clock: FakeCloc
     )
     warned = asyncio.Event()
     handler = _Signal(warned)
-    logger.addHandler(handler)
+    logging.getLogger("idempo").addHandler(handler)
     try:
         plan.arm(1, Fault.RAISE)  # reserve, then the renewal
-        async with idem.once("k-fault", operation=OPERATION) as attempt:
-            async with Renewal(attempt, EVERY, logger):
-                await asyncio.wait_for(warned.wait(), STEP)
-                assert plan.hit == "renew"
-                assert not attempt.lease_lost
+        async with idem.once("k-fault", operation=OPERATION, renew_every=EVERY) as attempt:
+            await asyncio.wait_for(warned.wait(), STEP)
+            assert plan.hit == "renew"
+            assert not attempt.lease_lost
             attempt.result = "done"
     finally:
-        logger.removeHandler(handler)
+        logging.getLogger("idempo").removeHandler(handler)
+    async with idem.once("k-fault", operation=OPERATION) as replay:
+        assert replay.result == "done"
 
 
 class _Signal(logging.Handler):
@@ -181,25 +160,24 @@ class SyncGate:
             self.answered.set()
 
 
-def test_a_lost_lease_marks_the_sync_work(sync_store: Any, clock: FakeClock) -> None:
-    gate = SyncGate(sync_store)
+def test_a_lost_lease_marks_the_sync_work(node_store: Any, clock: FakeClock) -> None:
+    gate = SyncGate(node_store)
     idem = Idempotency(gate, Policy(clock=clock, lease=LEASE))
     scope = Scope.of("k-lost", operation=OPERATION)
     taking_over = idem.once(scope.key, operation=OPERATION)
     holders: dict[str, Any] = {}
 
     def first_holder() -> None:
-        with idem.once(scope.key, operation=OPERATION) as first:
-            with ThreadRenewal(first, EVERY, logger):
-                assert gate.entered.wait(STEP)  # the renewal thread waits at the gate
-                clock.advance(LEASE + timedelta(seconds=1))
-                second = holders["second"] = taking_over.__enter__()
-                assert second.token is not None
-                assert first.token is not None
-                assert second.token > first.token
-                gate.opened.set()
-                assert gate.answered.wait(STEP)
-            assert first.lease_lost
+        with idem.once(scope.key, operation=OPERATION, renew_every=EVERY) as first:
+            assert gate.entered.wait(STEP)  # the renewal thread waits at the gate
+            clock.advance(LEASE + timedelta(seconds=1))
+            second = holders["second"] = taking_over.__enter__()
+            assert second.token is not None
+            assert first.token is not None
+            assert second.token > first.token
+            gate.opened.set()
+            assert gate.answered.wait(STEP)
+            assert _eventually(lambda: first.lease_lost)
             with pytest.raises(FencedError):
                 first.renew()  # the checkpoint: refused at once
             assert gate.renewals == 1, "the checkpoint made a round trip"
@@ -208,7 +186,7 @@ def test_a_lost_lease_marks_the_sync_work(sync_store: Any, clock: FakeClock) -> 
     with pytest.raises(FencedError):
         first_holder()
     second = holders["second"]
-    record = sync_store.get(scope)
+    record = node_store.get(scope)
     assert record is not None
     assert (record.status, record.token) == (Status.IN_PROGRESS, second.token)
     second.result = "second"
@@ -267,3 +245,84 @@ async def test_a_lost_lease_over_asgi_answers_409_and_keeps_the_takers_record(
     record = await store.get(scope)
     assert record is not None
     assert (record.status, record.token) == (Status.IN_PROGRESS, taken.token)  # type: ignore[union-attr]
+
+
+SHORT = timedelta(milliseconds=30)  # consumers renew every lease / 3: 10 ms of real time
+
+
+@pytest.mark.anyio
+async def test_a_lost_lease_requeues_the_async_consumers_message(
+    async_node_store: Any, clock: FakeClock
+) -> None:
+    """The consumer's automatic renewal is refused after a takeover: the handler is cancelled
+    before its external call and the message is requeued as FENCED, not raised out of the
+    consumer as a cancellation; the taker's reservation is left alone."""
+    gate = Gate(async_node_store, "renew", applied=False)
+    idem = AsyncIdempotency(gate, Policy(clock=clock, lease=SHORT))
+    consumer: AsyncConsumer[None] = AsyncConsumer(idem, name=OPERATION, horizon=timedelta(0))
+    external: list[str] = []
+
+    async def handle(delivery: Delivery[None]) -> str:
+        await asyncio.Event().wait()  # slow work, past its lease
+        external.append("charged")
+        return "first"
+
+    envelope = Envelope("e-lost", b"{}")
+    processing = asyncio.get_running_loop().create_task(consumer.process(None, envelope, handle))
+    await asyncio.wait_for(gate.entered.wait(), STEP)
+    clock.advance(timedelta(seconds=1))
+    scope = Scope.of("e-lost", operation=OPERATION)
+    held = await async_node_store.get(scope)
+    assert held is not None
+    taken = await async_node_store.reserve(
+        scope, held.fingerprint, now=clock(), lease=LEASE, ttl=timedelta(hours=1)
+    )
+    assert taken.token > held.token
+    gate.opened.set()
+    outcome = await asyncio.wait_for(processing, STEP)
+    assert (outcome.reason, outcome.action.value) == (Reason.FENCED, "requeue")
+    assert isinstance(outcome.error, FencedError)
+    assert external == []
+    record = await async_node_store.get(scope)
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, taken.token)
+
+
+def test_a_lost_lease_reaches_the_sync_consumers_handler(clock: FakeClock) -> None:
+    """A sync handler learns at its checkpoint (``delivery.attempt.renew()``) and the message
+    is requeued as FENCED."""
+    store = MemoryStore()
+    gate = SyncGate(store)
+    idem = Idempotency(gate, Policy(clock=clock, lease=SHORT))
+    consumer: Consumer[None] = Consumer(idem, name=OPERATION, horizon=timedelta(0))
+    scope = Scope.of("e-sync", operation=OPERATION)
+    external: list[str] = []
+
+    def handle(delivery: Delivery[None]) -> str:
+        assert gate.entered.wait(STEP)
+        clock.advance(timedelta(seconds=1))
+        held = store.get(scope)
+        assert held is not None
+        store.reserve(scope, held.fingerprint, now=clock(), lease=LEASE, ttl=timedelta(hours=1))
+        gate.opened.set()
+        assert gate.answered.wait(STEP)
+        assert _eventually(lambda: delivery.attempt.lease_lost)
+        delivery.attempt.renew()  # the checkpoint before the external call raises
+        external.append("charged")
+        return "first"
+
+    outcome = consumer.process(None, Envelope("e-sync", b"{}"), handle)
+    assert (outcome.reason, outcome.action.value) == (Reason.FENCED, "requeue")
+    assert external == []
+    record = store.get(scope)
+    assert record is not None
+    assert record.status is Status.IN_PROGRESS
+
+
+def test_renew_every_must_be_shorter_than_the_lease() -> None:
+    from idempo import ConfigurationError
+
+    idem = Idempotency(MemoryStore(), Policy(lease=LEASE))
+    for bad in (0, -1.0, LEASE, LEASE.total_seconds() + 1):
+        with pytest.raises(ConfigurationError, match="renew_every"):
+            idem.once("k", operation=OPERATION, renew_every=bad)

@@ -17,9 +17,12 @@ import asyncio
 import logging
 import threading
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from .errors import FencedError
-from .guard import AsyncAttempt, Attempt
+
+if TYPE_CHECKING:  # the guard starts renewals itself
+    from .guard import AsyncAttempt, Attempt
 
 # Renewals still in flight when they were stopped: asyncio keeps only weak references to
 # tasks, and these must finish (fenced out by then) rather than vanish.
@@ -108,6 +111,14 @@ class Renewal:
         lost.__cause__ = exc
         return lost
 
+    def outcome(self, exc: BaseException | None) -> BaseException | None:
+        """What the work's ending means, after `stop`: ``exc`` itself, or the lost lease's
+        `FencedError` when the cancellation behind it (or one the work swallowed) was this
+        renewal's."""
+        if exc is None and self._cancelled_work:
+            exc = asyncio.CancelledError()  # the work swallowed it; the lease is lost all the same
+        return exc if exc is None else self.fenced(exc)
+
     async def __aenter__(self) -> Renewal:
         self.start()
         return self
@@ -119,13 +130,9 @@ class Renewal:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
-        if exc is None and self._cancelled_work:
-            # The work swallowed the cancellation; it lost the lease all the same.
-            exc = asyncio.CancelledError()
-        if exc is not None:
-            fenced = self.fenced(exc)
-            if fenced is not exc:
-                raise fenced
+        meant = self.outcome(exc)
+        if meant is not exc and isinstance(meant, FencedError):
+            raise meant
 
 
 class ThreadRenewal:

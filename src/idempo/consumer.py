@@ -94,7 +94,6 @@ from typing import Any, Generic, Literal, TypeVar
 
 from ._keys import validate_key
 from ._record import Record, Status
-from ._renewal import Renewal, ThreadRenewal
 from .errors import (
     ConfigurationError,
     FencedError,
@@ -391,18 +390,9 @@ class _Consumer:
             "principal": principal,
             "mode": self.mode,
             "codec": self.codec,
+            # A slow handler keeps its key; a lost lease fences it (an outcome of FENCED).
+            "renew_every": self.idempotency.policy.lease / 3,
         }
-
-    _renewal: type[Renewal] | type[ThreadRenewal]
-
-    def _start_renewal(self, attempt: Any, conn: Any) -> Any:
-        """Renew the lease while the handler runs; None in transactional mode, where the row
-        lock is the lease."""
-        if conn is not None and self.mode == "transactional":
-            return None
-        renewal = self._renewal(attempt, self.idempotency.policy.lease.total_seconds() / 3, logger)
-        renewal.start()
-        return renewal
 
     def _answered(self, reason: Reason, key: str, attempt: Attempt, envelope: Envelope) -> Outcome:
         """The outcome of a message handled now (EXECUTED) or before (DUPLICATE)."""
@@ -426,6 +416,8 @@ class _Consumer:
         """The outcome when the handler raised (the guard has released or recorded)."""
         if self.deterministic(exc) or isinstance(exc, TransactionOwnershipError):
             return Outcome(Reason.FAILED, self.on_failure, key, error=exc)
+        if isinstance(exc, FencedError):
+            return self._requeue(Reason.FENCED, key, exc)  # the lease was lost while it ran
         return self._requeue(Reason.TRANSIENT, key, exc)
 
     def _unrecorded(self, key: str, exc: Exception) -> Outcome:
@@ -510,7 +502,6 @@ class AsyncConsumer(_Consumer):
 
     idempotency: AsyncIdempotency
     connection: Callable[[], AbstractAsyncContextManager[Any]] | None
-    _renewal = Renewal
 
     async def process(
         self,
@@ -537,7 +528,6 @@ class AsyncConsumer(_Consumer):
                 return self._report(self._refused(key, exc), envelope)
             if attempt.replayed:
                 return self._answered(Reason.DUPLICATE, key, attempt, envelope)
-            renewal = self._start_renewal(attempt, conn)
             delivery = Delivery(message, envelope, key, conn, attempt)
             try:
                 reset = _current.set(delivery)
@@ -545,12 +535,12 @@ class AsyncConsumer(_Consumer):
                     attempt.result = await handler(delivery)
                 finally:
                     _current.reset(reset)
-                    if renewal is not None:
-                        await renewal.stop()
             except BaseException as exc:
                 error = await _aleave(once, exc)
+                if isinstance(error, FencedError):  # the renewal cancelled the handler
+                    return self._report(self._failed(key, error), envelope)
                 if not isinstance(exc, Exception):
-                    raise
+                    raise  # a cancellation from outside: the key is released
                 return self._report(self._failed(key, error or exc), envelope)
             try:
                 await once.__aexit__(None, None, None)
@@ -572,7 +562,6 @@ class Consumer(_Consumer):
 
     idempotency: Idempotency
     connection: Callable[[], AbstractContextManager[Any]] | None
-    _renewal = ThreadRenewal
 
     def process(
         self, message: M, envelope: Envelope, handler: Callable[[Delivery[M]], Any]
@@ -590,7 +579,6 @@ class Consumer(_Consumer):
                 return self._report(self._refused(key, exc), envelope)
             if attempt.replayed:
                 return self._answered(Reason.DUPLICATE, key, attempt, envelope)
-            renewal = self._start_renewal(attempt, conn)
             delivery = Delivery(message, envelope, key, conn, attempt)
             try:
                 reset = _current.set(delivery)
@@ -598,8 +586,6 @@ class Consumer(_Consumer):
                     attempt.result = handler(delivery)
                 finally:
                     _current.reset(reset)
-                    if renewal is not None:
-                        renewal.stop()
             except BaseException as exc:
                 error = _leave(once, exc)
                 if not isinstance(exc, Exception):
@@ -612,17 +598,18 @@ class Consumer(_Consumer):
             return self._answered(Reason.EXECUTED, key, attempt, envelope)
 
 
-async def _aleave(once: Any, exc: BaseException) -> TransactionOwnershipError | None:
+async def _aleave(once: Any, exc: BaseException) -> TransactionOwnershipError | FencedError | None:
     """Hand the handler's exception to the guard: it releases the key or records the failure.
 
-    Returns the guard's TransactionOwnershipError when the handler committed the guard's
-    transaction itself (the failure is then recorded: the message is handled for good), for
-    the outcome to carry instead of the handler's own error.
+    Returns what the outcome carries instead of the handler's own error: the guard's
+    TransactionOwnershipError when the handler committed the guard's transaction itself
+    (the failure is then recorded: the message is handled for good), or the FencedError of
+    a lease lost while it ran (the renewal cancelled the handler).
     """
     try:
         await once.__aexit__(type(exc), exc, exc.__traceback__)
-    except TransactionOwnershipError as owned:
-        return owned
+    except (TransactionOwnershipError, FencedError) as meant:
+        return meant
     except Exception as fault:  # noqa: BLE001 - never raised over the handler's own error
         # The guard already swallows store faults here; anything left is logged. The key then
         # frees with its lease or transaction.

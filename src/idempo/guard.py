@@ -19,9 +19,11 @@ import asyncio
 import functools
 import inspect
 import json
+import logging
 import operator
 import typing
 from collections.abc import Callable
+from datetime import timedelta
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, cast
 
@@ -30,6 +32,7 @@ from ._flow import Codec, Done, Execute, Flow, apump, guarded_call, outlasting, 
 from ._http import evict_hint
 from ._keys import Scope
 from ._record import Record, Status
+from ._renewal import Renewal, ThreadRenewal
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -42,6 +45,8 @@ from .serializers import Serializer, TypedSerializer
 from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
 
 __all__ = ["AsyncAttempt", "AsyncIdempotency", "Attempt", "Idempotency"]
+
+_logger = logging.getLogger("idempo")
 
 
 class _FunctionCodec:
@@ -165,11 +170,13 @@ class _Call:
         policy: Policy,
         codec: Codec,
         attempt_class: type[Attempt],
+        renew_every: float | None = None,
     ) -> None:
         self.unit = unit
         self.scope = scope
         self.policy = policy
         self.codec = codec
+        self.renew_every = renew_every
         self.flow: Flow = guarded_call(scope, fingerprint(payload), policy, self.codec)
         self.attempt_class = attempt_class
         self.attempt: Attempt | None = None
@@ -217,10 +224,15 @@ class _Once:
 
     def __init__(self, call: _Call) -> None:
         self._call = call
+        self._renewal: ThreadRenewal | None = None
 
     def __enter__(self) -> Attempt:
         call = self._call
-        return call.started(pump(call.flow, call.unit, call.policy, next(call.flow)))
+        attempt = call.started(pump(call.flow, call.unit, call.policy, next(call.flow)))
+        if call.renew_every is not None and not attempt.replayed:
+            self._renewal = ThreadRenewal(attempt, call.renew_every, _logger)
+            self._renewal.start()
+        return attempt
 
     def __exit__(
         self,
@@ -231,6 +243,8 @@ class _Once:
         call = self._call
         if call.attempt is None or call.attempt.replayed:
             return False
+        if self._renewal is not None:
+            self._renewal.stop()  # a lost lease marked the attempt; its outcome is fenced
         try:
             step = pump(call.flow, call.unit, call.policy, call.resume(exc))
         except BaseException as raised:
@@ -247,11 +261,17 @@ class _AsyncOnce:
 
     def __init__(self, call: _Call) -> None:
         self._call = call
+        self._renewal: Renewal | None = None
 
     async def __aenter__(self) -> AsyncAttempt:
         call = self._call
         step = await apump(call.flow, call.unit, call.policy, next(call.flow))
-        return cast(AsyncAttempt, call.started(step))
+        attempt = cast(AsyncAttempt, call.started(step))
+        if call.renew_every is not None and not attempt.replayed:
+            # Started in the task that runs the block: a lost lease cancels that task.
+            self._renewal = Renewal(attempt, call.renew_every, _logger)
+            self._renewal.start()
+        return attempt
 
     async def __aexit__(
         self,
@@ -262,18 +282,25 @@ class _AsyncOnce:
         call = self._call
         if call.attempt is None or call.attempt.replayed:
             return False
+        ended = exc
+        if self._renewal is not None:
+            await self._renewal.stop()
+            # The renewal's own cancellation of the work is the lost lease, raised as such.
+            ended = self._renewal.outcome(exc)
         # A cancelled work's cleanup is shielded and bounded from its first operation: anyio
         # scopes cancel every await again, and a hung store must not hold the caller.
-        cancelled = exc if isinstance(exc, asyncio.CancelledError) else None
+        cancelled = ended if isinstance(ended, asyncio.CancelledError) else None
         try:
             step = await apump(
-                call.flow, call.unit, call.policy, call.resume(exc), cancelled=cancelled
+                call.flow, call.unit, call.policy, call.resume(ended), cancelled=cancelled
             )
         except BaseException as raised:
             if raised is exc:
                 return False
             raise
         if isinstance(step, Done):
+            if ended is not exc and ended is not None:
+                raise ended
             return False
         raise AssertionError("the flow asked to execute twice")
 
@@ -321,6 +348,7 @@ class _Decorated:
         principal: str | Callable[..., str],
         conn: str | None,
         serializer: Serializer | None,
+        renew_every: float | timedelta | None,
     ) -> None:
         self.signature = inspect.signature(fn)
         for name in (key, conn):
@@ -332,6 +360,7 @@ class _Decorated:
         self.principal = principal
         self.conn = conn
         self.serializer = serializer or _serializer_for(fn)
+        self.renew_every = renew_every
 
     def resolve(self, args: Any, kwargs: Any) -> dict[str, Any]:
         bound = self.signature.bind(*args, **kwargs)
@@ -352,6 +381,7 @@ class _Decorated:
             "principal": principal,
             "conn": named[self.conn] if self.conn else None,
             "serializer": self.serializer,
+            "renew_every": self.renew_every,
         }
 
 
@@ -402,6 +432,7 @@ class _Guard(Generic[OnceT]):
         mode: Mode = "transactional",
         serializer: Serializer | None = None,
         codec: Codec | None = None,
+        renew_every: float | timedelta | None = None,
     ) -> OnceT:
         """Guard a block: it runs once per scope; retries get ``attempt.result`` replayed.
 
@@ -422,16 +453,36 @@ class _Guard(Generic[OnceT]):
             codec: for integrations (HTTP, consumers): how the block's result becomes a stored
                 outcome and a record becomes a replay. Replaces ``serializer`` and
                 ``policy.fail_on``.
+            renew_every: for work that may outlast ``policy.lease``: renew the lease this
+                often (seconds or a timedelta, shorter than the lease) while the block runs.
+                A refused renewal means another attempt took the key over: the attempt is
+                marked ``lease_lost`` and its next ``renew()`` raises `FencedError`; on
+                `AsyncIdempotency` the block's task is also cancelled and the block raises
+                `FencedError`. Not needed in transactional mode, where the row lock holds
+                the key.
 
         Raises:
             FingerprintMismatchError: the key was used with another payload.
             RequestInProgressError: another attempt holds the key (after ``policy.wait``).
             ReplayedFailureError: the first execution failed deterministically.
+            FencedError: (on leaving the block) the lease was lost to another attempt.
         """
         scope = Scope.of(key, operation=operation, principal=principal)
         unit = self._unit(conn, mode)
         codec = codec or _FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
-        return self._once(_Call(unit, scope, payload, self.policy, codec, self._attempt))
+        every = self._renewal_period(renew_every, held=conn is not None and mode == "transactional")
+        return self._once(_Call(unit, scope, payload, self.policy, codec, self._attempt, every))
+
+    def _renewal_period(self, every: float | timedelta | None, *, held: bool) -> float | None:
+        if every is None:
+            return None
+        seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
+        if not 0 < seconds < self.policy.lease.total_seconds():
+            raise ConfigurationError(
+                f"renew_every must be positive and shorter than the lease"
+                f" ({self.policy.lease.total_seconds():g} s), not {seconds:g} s"
+            )
+        return None if held else seconds  # the row lock holds the key until the commit
 
     def _unit(self, conn: Any, mode: Mode) -> Any:
         if conn is None:
@@ -454,6 +505,7 @@ class _Guard(Generic[OnceT]):
         conn: str | None = None,
         mode: Mode = "transactional",
         serializer: Serializer | None = None,
+        renew_every: float | timedelta | None = None,
     ) -> Any:
         """Decorate a function (``async def`` on `AsyncIdempotency`) so it runs once per key
         and replays its return value.
@@ -468,6 +520,7 @@ class _Guard(Generic[OnceT]):
             mode: see `once`.
             serializer: defaults to a typed one when the return annotation says more than
                 plain JSON (a dataclass, a pydantic model, a list of them), else the policy's.
+            renew_every: see `once`: keep the lease alive while a long call runs.
         """
 
         def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -479,6 +532,7 @@ class _Guard(Generic[OnceT]):
                 principal=principal,
                 conn=conn,
                 serializer=serializer,
+                renew_every=renew_every,
             )
             wrapper = functools.wraps(func)(self._wrap(func, spec, mode))
             wrapper.idempotency = self  # type: ignore[attr-defined]

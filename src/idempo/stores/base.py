@@ -145,8 +145,11 @@ class AsyncStore(Protocol):
 class Unit(Protocol):
     """**Protocol:** one guarded call's view of a store, possibly inside the app's transaction.
 
-    The verbs are the store's; ``discard`` throws away the work's own writes (a rollback in
-    transactional mode) before the outcome is recorded.
+    The verbs are the store's; ``discard`` throws away the work's own writes (a rollback to
+    the savepoint after the reservation, in transactional mode) before the outcome is
+    recorded, and says whether there were writes to throw away: False where the work's
+    effects are its own (leased mode), so an unstorable result is recorded FAILED rather
+    than released.
     """
 
     def reserve(
@@ -173,7 +176,7 @@ class Unit(Protocol):
         self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
     ) -> None: ...
 
-    def discard(self) -> None: ...
+    def discard(self) -> bool: ...
 
 
 class AsyncUnit(Protocol):
@@ -203,7 +206,7 @@ class AsyncUnit(Protocol):
         self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
     ) -> None: ...
 
-    async def discard(self) -> None: ...
+    async def discard(self) -> bool: ...
 
 
 @runtime_checkable
