@@ -26,7 +26,8 @@ from typing import Any
 
 import anyio
 
-from idempo import StoreUnavailableError, _flow
+from idempo import StoreUnavailableError
+from idempo._core import flow as _flow
 from idempo.stores._sql import Statement
 from idempo.stores._units import Commit, OnStore, Rollback
 

@@ -33,7 +33,7 @@ from idempo import (
     open_async_store,
     open_store,
 )
-from idempo._record import Acquired, InProgress, Mismatch, Replay
+from idempo._core.record import Acquired, InProgress, Mismatch, Replay
 from idempo.stores import AsyncTransactionalStore, TransactionalStore
 from idempo.stores.cache import AsyncCachedStore, CachedStore
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore

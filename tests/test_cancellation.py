@@ -154,7 +154,7 @@ async def test_a_hung_store_cannot_hold_a_cancelled_caller(
 ) -> None:
     """The cleanup is bounded: a release that never answers is given up after
     ``CLEANUP_TIMEOUT``; the cancellation still reaches the caller."""
-    from idempo import _flow
+    from idempo._core import flow as _flow
 
     monkeypatch.setattr(_flow, "CLEANUP_TIMEOUT", 0.05)
     gate = Gate(async_node_store, "release", applied=False)  # never opened

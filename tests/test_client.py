@@ -32,8 +32,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idempo import ConfigurationError
-from idempo._retry import Answer, Error, Send, Wait, backoff, parse_retry_after, retry_flow
 from idempo.client import AsyncIdempotentTransport, IdempotentTransport, RetryPolicy
+from idempo.client.retry import Answer, Error, Send, Wait, backoff, parse_retry_after, retry_flow
 
 # --- the server ----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import pymysql
 import pytest
 
 from idempo import CorruptRecordError, Scope
-from idempo._record import Acquired
+from idempo._core.record import Acquired
 from idempo.stores.mysql import connect_options
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

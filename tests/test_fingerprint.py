@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idempo import InvalidKeyError, InvalidPayloadError, Scope, fingerprint, validate_key
-from idempo._fingerprint import canonical_bytes
+from idempo._core.fingerprint import canonical_bytes
 
 bounded = settings(max_examples=200, deadline=None)
 
@@ -351,7 +351,7 @@ def test_general_canonical_form_is_byte_identical_to_rfc8785(value: Any) -> None
     canonical_bytes on whatever path it takes."""
     import rfc8785
 
-    from idempo._fingerprint import _canonical
+    from idempo._core.fingerprint import _canonical
 
     assert _canonical(value) == rfc8785.dumps(value)
     assert canonical_bytes(value) == rfc8785.dumps(value)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idempo import InvalidKeyError, derive_key, step_key, validate_key
-from idempo._keys import DERIVE_NAMESPACE, STEP_NAMESPACE
+from idempo._core.keys import DERIVE_NAMESPACE, STEP_NAMESPACE
 
 PRINTABLE = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
 keys = st.text(PRINTABLE, min_size=1, max_size=255)

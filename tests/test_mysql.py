@@ -33,7 +33,7 @@ from idempo import (
     open_async_store,
     open_store,
 )
-from idempo._record import Acquired, Replay
+from idempo._core.record import Acquired, Replay
 from idempo.stores._mysql import lock_wait_seconds, scope_hash
 from idempo.stores._units import LockTimeoutError
 from idempo.stores.mysql import (

@@ -22,7 +22,7 @@ import pytest
 
 from helpers import Database
 from idempo import FencedError, Scope, Status
-from idempo._record import Acquired
+from idempo._core.record import Acquired
 from idempo.stores.memory import MemoryStore
 from idempo.stores.mysql import connect_options
 

@@ -32,7 +32,7 @@ from idempo import (
     Scope,
     StoreUnavailableError,
 )
-from idempo._record import Acquired
+from idempo._core.record import Acquired
 from idempo.stores import open_async_store, open_store
 from idempo.stores.redis import AsyncRedisStore, RedisStore
 from redis_servers import free_ports

@@ -27,7 +27,7 @@ from idempo import (
     Scope,
     Status,
 )
-from idempo._record import Acquired, InProgress, Replay
+from idempo._core.record import Acquired, InProgress, Replay
 from idempo.stores.redis import AsyncRedisStore, RedisStore
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]

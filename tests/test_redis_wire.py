@@ -28,7 +28,7 @@ import redis
 import redis.asyncio
 
 from idempo import Scope, Status
-from idempo._record import Acquired
+from idempo._core.record import Acquired
 from idempo.stores import redis as redis_module
 from idempo.stores.redis import AsyncRedisStore, RedisStore
 from test_redis_protocol import Face as StoreFace

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import Database
 from idempo import Scope, Status
-from idempo._record import Acquired, InProgress, Replay
+from idempo._core.record import Acquired, InProgress, Replay
 from idempo.stores import _clock
 from idempo.stores.cache import CachedStore
 from idempo.stores.memory import MemoryStore

@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 )
 
 from idempo import FencedError, Scope, Status
-from idempo._record import Acquired, InProgress, Mismatch, Replay
+from idempo._core.record import Acquired, InProgress, Mismatch, Replay
 from model.backends import Backend
 from model.reference import Acquire, ReferenceStore
 

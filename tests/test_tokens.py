@@ -19,7 +19,7 @@ import pymysql
 import pytest
 
 from idempo import FencedError, SchemaMissingError, Scope, Status
-from idempo._record import Acquired
+from idempo._core.record import Acquired
 from idempo.stores._sql import derived_name
 from idempo.stores.memory import MemoryStore
 from idempo.stores.mysql import connect_options

@@ -43,8 +43,8 @@ from idempo import (
     TransactionOwnershipError,
     UnserializableResultError,
 )
-from idempo._fingerprint import fingerprint
-from idempo._keys import Scope
+from idempo._core.fingerprint import fingerprint
+from idempo._core.keys import Scope
 from idempo.consumer import Consumer, Envelope, Reason
 from idempo.testing import FakeClock
 

@@ -13,10 +13,10 @@ answers every retry with the first result.
 
 from __future__ import annotations
 
-from ._fingerprint import fingerprint
-from ._flow import Codec
-from ._keys import Scope, derive_key, step_key, validate_key
-from ._record import Record, Status
+from ._core.fingerprint import fingerprint
+from ._core.flow import Codec
+from ._core.keys import Scope, derive_key, step_key, validate_key
+from ._core.record import Record, Status
 from .errors import (
     ConfigurationError,
     ConflictError,

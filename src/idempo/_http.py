@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-from ._fingerprint import canonical_bytes
-from ._keys import Scope, validate_key
-from ._record import Record, Status
+from ._core.fingerprint import canonical_bytes
+from ._core.keys import Scope, validate_key
+from ._core.record import Record, Status
 from .errors import (
     ConfigurationError,
     CorruptRecordError,

@@ -20,6 +20,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from datetime import timedelta
 from typing import Any
 
+from ._core.renewal import Renewal as _Renewal
 from ._http import (
     DEFAULT_BODY_LIMIT,
     DEFAULT_FINGERPRINT_FIELDS,
@@ -40,7 +41,6 @@ from ._http import (
     problem,
     problem_for,
 )
-from ._renewal import Renewal as _Renewal
 from .errors import (
     ConfigurationError,
     CorruptRecordError,

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ._keys import Scope
+from ._core.keys import Scope
 from .errors import ConfigurationError, InvalidKeyError, StoreError
 from .stores import MIGRATE_HINT, open_store
 

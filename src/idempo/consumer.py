@@ -92,8 +92,8 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Generic, Literal, TypeVar
 
-from ._keys import validate_key
-from ._record import Record, Status
+from ._core.keys import validate_key
+from ._core.record import Record, Status
 from .errors import (
     ConfigurationError,
     FencedError,

@@ -27,12 +27,12 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, cast
 
-from ._fingerprint import fingerprint
-from ._flow import Codec, Done, Execute, Flow, apump, guarded_call, outlasting, pump
+from ._core.fingerprint import fingerprint
+from ._core.flow import Codec, Done, Execute, Flow, apump, guarded_call, outlasting, pump
+from ._core.keys import Scope
+from ._core.record import Record, Status
+from ._core.renewal import Renewal, ThreadRenewal
 from ._http import evict_hint
-from ._keys import Scope
-from ._record import Record, Status
-from ._renewal import Renewal, ThreadRenewal
 from .errors import (
     ConfigurationError,
     CorruptRecordError,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ._keys import step_key, validate_key
+from ._core.keys import step_key, validate_key
 from .guard import AsyncIdempotency, Idempotency, _serializer_for
 from .stores.base import Mode
 

@@ -18,7 +18,7 @@ import anyio.to_thread
 import pytest
 
 from idempo import FencedError, Scope, Status
-from idempo._record import Acquired, InProgress, Mismatch, Replay, Reservation
+from idempo._core.record import Acquired, InProgress, Mismatch, Replay, Reservation
 from idempo.stores.postgres import PostgresStore
 from idempo.testing import FakeClock
 

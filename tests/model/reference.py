@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from idempo import Scope, Status
-from idempo._record import Record
+from idempo._core.record import Record
 
 
 @dataclass(frozen=True)

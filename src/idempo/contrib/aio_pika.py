@@ -46,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "idempo.contrib.aio_pika needs aio-pika: pip install 'idempo[rabbitmq]'"
     ) from exc
 
-from .._keys import validate_key
+from .._core.keys import validate_key
 from ..consumer import Action, AsyncConsumer, Delivery, Envelope, Outcome
 from ..policy import utcnow
 

@@ -63,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "idempo.contrib.faststream needs FastStream: pip install 'idempo[faststream]'"
     ) from exc
 
-from .._keys import derive_key, validate_key
+from .._core.keys import derive_key, validate_key
 from ..consumer import Action, AsyncConsumer, Delivery, Envelope, Outcome, Reason
 from ..policy import utcnow
 

@@ -30,8 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from .._core.keys import derive_key
 from .._http import PROBLEM_TYPE_BASE
-from .._keys import derive_key
 from ..asgi import IdempotencyMiddleware
 from ..contrib.starlette import current_attempt
 from ..stores import open_async_store

@@ -20,9 +20,9 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
 
-from .._keys import Scope
-from .._ops import Release, Renew, Reserve, Settle
-from .._record import InProgress, Reservation
+from .._core.keys import Scope
+from .._core.ops import Release, Renew, Reserve, Settle
+from .._core.record import InProgress, Reservation
 from ..errors import FencedError, StoreError
 from ._sql import _COLUMNS, SqlDialect, SqlGen, Statement
 

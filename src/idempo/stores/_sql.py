@@ -15,10 +15,10 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any, NamedTuple, TypeVar
 
+from .._core.keys import Scope
+from .._core.ops import Release, Renew, Reserve, Settle
+from .._core.record import Acquired, InProgress, Record, Reservation, Status, judge
 from .._http import evict_hint
-from .._keys import Scope
-from .._ops import Release, Renew, Reserve, Settle
-from .._record import Acquired, InProgress, Record, Reservation, Status, judge
 from ..errors import ConfigurationError, CorruptRecordError, FencedError
 from . import _clock
 

@@ -14,9 +14,9 @@ from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any, Protocol, TypeVar
 
-from .._keys import Scope
-from .._ops import Release, Renew, Reserve, Settle
-from .._record import Acquired, InProgress, Record, Replay, Reservation, Status
+from .._core.keys import Scope
+from .._core.ops import Release, Renew, Reserve, Settle
+from .._core.record import Acquired, InProgress, Record, Replay, Reservation, Status
 from ..errors import TransactionOwnershipError
 from ._sql import SqlDialect, SqlGen, Statement
 from .base import Mode

@@ -21,8 +21,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from .._keys import Scope
-from .._record import Record, Reservation
+from .._core.keys import Scope
+from .._core.record import Record, Reservation
 
 __all__ = [
     "AsyncStore",

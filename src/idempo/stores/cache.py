@@ -38,9 +38,9 @@ from collections.abc import Awaitable, Callable, Generator
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
-from .._keys import Scope
-from .._ops import Release, Renew, Reserve, Settle
-from .._record import InProgress, Mismatch, Record, Replay, Reservation, Status, judge
+from .._core.keys import Scope
+from .._core.ops import Release, Renew, Reserve, Settle
+from .._core.record import InProgress, Mismatch, Record, Replay, Reservation, Status, judge
 from ..errors import ConfigurationError
 from . import _clock
 from ._sql import adrive, drive

@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 from datetime import datetime, timedelta
 
-from .._keys import Scope
-from .._record import Acquired, Record, Reservation, Status, judge
+from .._core.keys import Scope
+from .._core.record import Acquired, Record, Reservation, Status, judge
 from ..errors import FencedError
 from . import _clock
 

@@ -89,8 +89,8 @@ import redis.exceptions
 import redis.retry
 from redis.backoff import NoBackoff
 
-from .._keys import Scope
-from .._record import Acquired, Record, Replay, Reservation, Status, judge
+from .._core.keys import Scope
+from .._core.record import Acquired, Record, Replay, Reservation, Status, judge
 from ..errors import (
     ConfigurationError,
     CorruptRecordError,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from ._keys import Scope
+from .keys import Scope
 
 __all__ = [
     "Acquired",

@@ -11,7 +11,7 @@ from typing import Any
 
 import rfc8785
 
-from .errors import InvalidPayloadError
+from ..errors import InvalidPayloadError
 
 _SAFE_INTEGER = 2**53 - 1
 # RFC 8785 numbers are IEEE doubles, so a larger integer would lose digits (two ids could

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from ._keys import Scope
-from ._record import Status
+from .keys import Scope
+from .record import Status
 
 
 @dataclass(slots=True)

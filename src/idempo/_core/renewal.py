@@ -19,10 +19,10 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from .errors import FencedError
+from ..errors import FencedError
 
 if TYPE_CHECKING:  # the guard starts renewals itself
-    from .guard import AsyncAttempt, Attempt
+    from ..guard import AsyncAttempt, Attempt
 
 # Renewals still in flight when they were stopped: asyncio keeps only weak references to
 # tasks, and these must finish (fenced out by then) rather than vanish.

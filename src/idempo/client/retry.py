@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from .errors import ConfigurationError
-from .policy import utcnow
+from ..errors import ConfigurationError
+from ..policy import utcnow
 
 __all__ = ["RetryPolicy"]
 

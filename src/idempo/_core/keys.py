@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from .errors import InvalidKeyError
+from ..errors import InvalidKeyError
 
 MAX_KEY_LENGTH = 255
 

@@ -24,10 +24,7 @@ from datetime import timedelta
 from types import CodeType
 from typing import Any, Protocol, cast
 
-from ._keys import Scope
-from ._ops import Release, Reserve, Settle
-from ._record import Acquired, InProgress, Mismatch, Record, Replay, Status
-from .errors import (
+from ..errors import (
     FingerprintMismatchError,
     IdempotencyError,
     RequestInProgressError,
@@ -35,16 +32,19 @@ from .errors import (
     TransactionOwnershipError,
     UnserializableResultError,
 )
-from .policy import Policy
-from .stores._units import AsyncUnit as AsyncSqlUnit
-from .stores._units import SyncUnit
-from .stores.base import AsyncUnit, Unit
+from ..policy import Policy
+from ..stores._units import AsyncUnit as AsyncSqlUnit
+from ..stores._units import SyncUnit
+from ..stores.base import AsyncUnit, Unit
+from .keys import Scope
+from .ops import Release, Reserve, Settle
+from .record import Acquired, InProgress, Mismatch, Record, Replay, Status
 
 # How often a caller told to wait re-checks a key that is in progress, at most.
 _POLL_SECONDS = 0.05
 
 
-# Not frozen, as the ops in _ops.py: made on every call, never changed.
+# Not frozen, as the ops in ops.py: made on every call, never changed.
 @dataclass(slots=True)
 class Execute:
     token: int

@@ -9,7 +9,7 @@ answers every attempt with the first result. Wrap any transport; it needs ``idem
     response.extensions["idempotency_key"], response.extensions["idempotency_attempts"]
 
 The rules (when to retry, how long to wait) live in `RetryPolicy` and, written once,
-in ``idempo._retry``; the two transports below only carry them out.
+in ``idempo.client.retry``; the two transports below only carry them out.
 
 .. versionadded:: 0.1
 """
@@ -25,14 +25,14 @@ try:
     import anyio
     import httpx
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from .errors import ConfigurationError
+    from ..errors import ConfigurationError
 
     raise ConfigurationError(
         "the idempotent client needs httpx: pip install 'idempo[httpx]'"
     ) from exc
 
-from ._retry import Answer, Error, RetryPolicy, Send, Wait, parse_retry_after, retry_flow
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
+from .retry import Answer, Error, RetryPolicy, Send, Wait, parse_retry_after, retry_flow
 
 __all__ = ["AsyncIdempotentTransport", "IdempotentTransport", "RetryPolicy"]
 
