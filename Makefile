@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PROJECT_HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(PROJECT_HASH)
+DEMO_STAMP := $(VENV)/.demo-$(PROJECT_HASH)
 
 .PHONY: demo test lint types pytest services bench clean
 
@@ -14,7 +16,17 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet -e . --group dev
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs only idempo's `demo` extra, not the dev tools; a venv that has the dev group
+# has it already.
+$(DEMO_STAMP): $(BIN)/python pyproject.toml
+	@if [ -e $(STAMP) ]; then :; else \
+		echo "make demo: installing idempo and its demo extra into $(VENV) ..."; \
+		$(BIN)/python -m pip install --progress-bar on --disable-pip-version-check -e '.[demo]' \
+			|| exit 1; \
+	fi
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/idempo demo
 
 test: $(STAMP) lint types services pytest
