@@ -28,8 +28,8 @@ import anyio
 
 from idempo import StoreUnavailableError
 from idempo._core import flow as _flow
-from idempo.stores._sql import Statement
-from idempo.stores._units import Commit, OnStore, Rollback
+from idempo.stores._sql.dialect import Statement
+from idempo.stores._sql.transaction import Commit, OnStore, Rollback
 
 
 class Fault(enum.Enum):

@@ -34,6 +34,7 @@ from starlette.websockets import WebSocket
 
 from helpers import new_key
 from idempo import AsyncIdempotency, Policy, Scope, Status, StoreUnavailableError
+from idempo._core.ops import Release, Settle
 from idempo.asgi import IdempotencyMiddleware, _Renewal
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.postgres import AsyncPostgresStore
@@ -1168,8 +1169,28 @@ class CancelOnDisconnect:
 
 
 def _watched(store: Any, verb: str) -> threading.Event:
-    """An event set once ``store.verb`` has returned or raised: the test waits on it."""
+    """An event set once ``store.verb`` has returned or raised: the test waits on it. A
+    store that takes operations (``perform``) is watched for the verb's operation."""
     done = threading.Event()
+    if hasattr(store, "perform"):
+        kind = {"release": Release, "complete": Settle}[verb]
+        perform = store.perform
+
+        def performed(op: Any) -> Any:
+            result = perform(op)
+            if not isinstance(op, kind):
+                return result
+
+            async def watched() -> Any:
+                try:
+                    return await result
+                finally:
+                    done.set()
+
+            return watched()
+
+        store.perform = performed
+        return done
     original = getattr(store, verb)
 
     async def watched(*args: Any, **kwargs: Any) -> Any:

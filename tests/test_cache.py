@@ -19,7 +19,6 @@ import pytest
 import redis
 from pymysql.constants import SERVER_STATUS
 
-from conformance import test_store_contract as contract
 from helpers import Database
 from idempo import (
     AsyncIdempotency,
@@ -39,7 +38,7 @@ from idempo.stores.cache import AsyncCachedStore, CachedStore
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.redis import AsyncRedisStore, RedisStore
 from idempo.stores.sqlite import SQLiteStore
-from idempo.testing import FakeClock
+from idempo.testing import FakeClock, StoreContract
 
 LEASE = timedelta(seconds=30)
 TTL = timedelta(hours=1)
@@ -49,21 +48,14 @@ TICK = timedelta(microseconds=1)
 # -- the contract, through the cache ----------------------------------------------------------
 
 
-@pytest.fixture
-def h(store_face: tuple[Any, bool], clock: FakeClock) -> contract.Harness:
-    """Every store in both faces behind a small cache, driven as the contract drives stores
-    (sync ones through worker threads)."""
-    inner, is_async = store_face
-    if is_async:
-        return contract.Harness(AsyncCachedStore(inner, max_entries=8), clock)
-    return contract.Harness(contract.Threaded(CachedStore(inner, max_entries=8)), clock)
+class TestContractThroughTheCache(StoreContract):
+    """Every contract test again, on every store in both faces behind a small cache (the
+    PostgreSQL time zone test opens a store of its own: the cache has nothing to add)."""
 
-
-# Every contract test runs again here, over the `h` fixture above. The PostgreSQL time zone
-# test opens a store of its own, so the cache has nothing to add to it.
-for _name, _test in vars(contract).items():
-    if _name.startswith("test_") and "time_zone" not in _name:
-        globals()[f"test_contract_{_name.removeprefix('test_')}"] = pytest.mark.anyio(_test)
+    @pytest.fixture
+    def store(self, store_face: tuple[Any, bool]) -> Any:
+        inner, is_async = store_face
+        return (AsyncCachedStore if is_async else CachedStore)(inner, max_entries=8)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -317,7 +317,7 @@ def test_sigkill_in_transactional_mode_commits_nothing(setup: Setup, tmp_path: P
     key = new_key()
     with child(setup, "transactional", key, tmp_path) as running:
         said = running.message()
-        assert (said["state"], said["token"]) == ("mid-work", 1)
+        assert said["state"] == "mid-work"
         # While it works, nothing of it is visible and a duplicate is told to come back.
         assert setup.records() == []
         assert setup.rows() == []
@@ -369,10 +369,12 @@ def take_over_after_expiry(retry: Parent, key: str, lease_end: datetime) -> Any:
         return result
 
 
-def taken_over_once_the_lease_ends(retry: Parent, key: str, lease_end: datetime) -> Any:
+def taken_over_once_the_lease_ends(
+    retry: Parent, key: str, lease_end: datetime, first_token: int
+) -> Any:
     """A duplicate a moment before ``lease_end`` is told to come back very soon and runs
-    nothing; after it, one takes the key over with a larger token than the first holder's
-    (1), runs once and then replays."""
+    nothing; after it, one takes the key over with a larger token than the first holder's,
+    runs once and then replays."""
     just_before = lease_end - timedelta(milliseconds=1)
     with pytest.raises(RequestInProgressError) as raised:
         retry.attempt(key, clock=lambda: just_before)
@@ -381,7 +383,7 @@ def taken_over_once_the_lease_ends(retry: Parent, key: str, lease_end: datetime)
 
     result = take_over_after_expiry(retry, key, lease_end)
     assert result["by"] == "parent"
-    assert result["token"] > 1
+    assert result["token"] > first_token
     assert retry.attempt(key) == (True, result)
     assert retry.executions == 1
     return result
@@ -396,32 +398,33 @@ def test_sigkill_in_leased_mode_is_taken_over_after_the_lease(
     key = new_key()
     with child(setup, mode, key, tmp_path) as running:
         said = running.message()
-        assert (said["state"], said["token"]) == ("mid-work", 1)
+        assert said["state"] == "mid-work"
+        first_token = said["token"]
         running.kill()
         setup.wait_backend_gone(said["backend"])
 
-    assert setup.records() == [("in_progress", 1)]
+    assert setup.records() == [("in_progress", first_token)]
     # On the app's connection the dead child's business row died with its transaction; on the
     # store's own connections it had committed by itself: leased mode's documented gap between
     # the work and the record.
-    child_rows = [(1, "child")] if mode == "store" else []
+    child_rows = [(first_token, "child")] if mode == "store" else []
     assert setup.rows() == child_rows
     lease_end = setup.lease_end(key)
 
     with parent(setup, mode) as retry:
-        token = taken_over_once_the_lease_ends(retry, key, lease_end)["token"]
+        token = taken_over_once_the_lease_ends(retry, key, lease_end, first_token)["token"]
     assert setup.records() == [("completed", token)]
     assert setup.rows() == [*child_rows, (token, "parent")]
 
 
-def fenced_on_waking(running: Child, take_over: Callable[[], Any]) -> Any:
-    """Freeze the child mid-work (SIGSTOP, token 1), let ``take_over`` take its key (a
-    larger token), wake it (SIGCONT): its completion is refused with FencedError. The new
-    holder's result."""
+def fenced_on_waking(running: Child, take_over: Callable[[], Any], first_token: int) -> Any:
+    """Freeze the child mid-work (SIGSTOP, holding ``first_token``), let ``take_over`` take
+    its key (a larger token), wake it (SIGCONT): its completion is refused with FencedError.
+    The new holder's result."""
     running.signal(signal.SIGSTOP)
     result = take_over()
     assert result["by"] == "parent"
-    assert result["token"] > 1
+    assert result["token"] > first_token
     running.signal(signal.SIGCONT)
     running.go_on()
     finished = running.message()
@@ -443,17 +446,20 @@ def test_paused_holder_is_fenced_after_a_takeover(setup: Setup, mode: Mode, tmp_
     # that its refused completion then rolls back.
     with child(setup, mode, key, tmp_path, write_first=write_first, autocommit=True) as running:
         said = running.message()
-        assert (said["state"], said["token"]) == ("mid-work", 1)
+        assert said["state"] == "mid-work"
+        first_token = said["token"]
         with parent(setup, mode, busy_timeout=timedelta(seconds=3)) as other:
             result = fenced_on_waking(
-                running, lambda: take_over_after_expiry(other, key, setup.lease_end(key))
+                running,
+                lambda: take_over_after_expiry(other, key, setup.lease_end(key)),
+                first_token,
             )
             assert other.attempt(key) == (True, result)
             assert other.executions == 1
     assert setup.records() == [("completed", result["token"])]
     # On the store's own connections the zombie's row had committed by itself (leased mode's
     # documented gap); its completion was refused all the same.
-    child_rows = [(1, "child")] if mode == "store" else []
+    child_rows = [(first_token, "child")] if mode == "store" else []
     assert setup.rows() == [*child_rows, (result["token"], "parent")]
 
 

@@ -237,3 +237,14 @@ def test_settings_are_checked() -> None:
         IdempotencyMiddleware(lambda request: HttpResponse())
     with override_settings(IDEMPO={"STORE": "memory://", "PRINCIPAL": "os.getcwd"}):
         assert IdempotencyMiddleware(lambda request: HttpResponse()).principal is not None
+
+
+def test_an_unrouted_request_passes_through_unstored(client: Client) -> None:
+    """SPEC §2 rule 7: a path no URL pattern matches is Django's own 404, answered before
+    any view runs: passed through unguarded, nothing stored, so the key stays free."""
+    key = new_key()
+    first = post(client, "/nowhere", key, PAYMENT)
+    again = post(client, "/nowhere", key, PAYMENT)
+    assert first.status_code == again.status_code == 404
+    assert not replayed(again)
+    assert post(client, "/payments/1", key, PAYMENT).status_code == 201

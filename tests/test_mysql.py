@@ -34,8 +34,8 @@ from idempo import (
     open_store,
 )
 from idempo._core.record import Acquired, Replay
-from idempo.stores._mysql import lock_wait_seconds, scope_hash
-from idempo.stores._units import LockTimeoutError
+from idempo.stores._sql.mysql import lock_wait_seconds, scope_hash
+from idempo.stores._sql.transaction import LockTimeoutError
 from idempo.stores.mysql import (
     AsyncMySQLStore,
     MySQLStore,

@@ -636,7 +636,7 @@ def test_sigkilled_holder_is_taken_over_after_its_lease(
     record = parent.record(key)
     assert (record.status, record.token) == (Status.IN_PROGRESS, child)
     assert parent.effects(key) == [f"child:{child}"]
-    taken_over_once_the_lease_ends(parent, key, record.lease_expires_at)
+    taken_over_once_the_lease_ends(parent, key, record.lease_expires_at, 1)  # holder ordinals
     record = parent.record(key)
     assert record.status is Status.COMPLETED
     assert record.token > child
@@ -655,7 +655,12 @@ def test_frozen_holder_is_fenced_after_a_takeover(
         said = running.message()
         assert said["state"] == "mid-work"
         lease_end = parent.record(key).lease_expires_at
-        result = fenced_on_waking(running, lambda: take_over_after_expiry(parent, key, lease_end))
+        result = fenced_on_waking(
+            # The parent reports holders by ordinal (`RedisParent.holder`): the child is 1.
+            running,
+            lambda: take_over_after_expiry(parent, key, lease_end),
+            1,
+        )
 
     assert parent.attempt(key) == (True, result)
     assert parent.executions == 1

@@ -29,6 +29,7 @@ from idempo import (
 )
 from idempo._core.record import Acquired, InProgress, Replay
 from idempo.stores.redis import AsyncRedisStore, RedisStore
+from idempo.stores.redis._protocol import reservation
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -144,10 +145,11 @@ async def test_a_resent_reserve_gets_its_own_reservation_back(face: Face) -> Non
     s = scope()
     args = face.store._keys.reserve_args(s, "fp", None, LEASE, TTL)
     replies = [
-        await face._call(face.store._reserve, keys=[face.key(s)], args=args) for _ in range(2)
+        await face._call(face.store._scripts["reserve"], keys=[face.key(s)], args=args)
+        for _ in range(2)
     ]
 
-    first, second = (face.store._keys.reservation(reply, s, "fp", None) for reply in replies)
+    first, second = (reservation(reply, s, "fp", None) for reply in replies)
 
     assert isinstance(first, Acquired)
     assert second == first

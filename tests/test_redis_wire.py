@@ -27,10 +27,10 @@ import pytest
 import redis
 import redis.asyncio
 
-from idempo import Scope, Status
+from idempo import AsyncIdempotency, Scope, Status, StoreUnavailableError
 from idempo._core.record import Acquired
-from idempo.stores import redis as redis_module
 from idempo.stores.redis import AsyncRedisStore, RedisStore
+from idempo.stores.redis._scripts import SCRIPTS
 from test_redis_protocol import Face as StoreFace
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
@@ -161,10 +161,8 @@ def _load_scripts(redis_url: str) -> None:
     """Load every script once, directly: a first EVALSHA answered NOSCRIPT (and re-sent by
     redis-py) would spring a trap without running anything."""
     with redis.Redis.from_url(redis_url) as direct:
-        for name in dir(redis_module):
-            text = getattr(redis_module, name)
-            if name.isupper() and isinstance(text, str) and "redis.call" in text:
-                direct.script_load(text)
+        for text in SCRIPTS.values():
+            direct.script_load(text)
 
 
 class Face(StoreFace):
@@ -173,8 +171,7 @@ class Face(StoreFace):
     def sha(self, verb: str) -> bytes:
         """The SHA of the script ``verb`` runs."""
         name = {"complete": "settle", "fail": "settle"}.get(verb, verb)
-        script: Any = getattr(self.store, f"_{name}")
-        return str(script.sha).encode()
+        return str(self.store._scripts[name].sha).encode()
 
 
 @pytest.fixture(
@@ -417,6 +414,43 @@ async def test_cancelled_reserve_leaves_neither_a_reply_in_the_pool_nor_the_key_
         assert mine is not None
         assert mine == direct.get(scope(key))
     assert isinstance(await store.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL), Acquired)
+
+
+async def test_a_guarded_reserve_whose_reply_timed_out_is_undone_by_its_nonce(
+    proxy: Proxy, direct: RedisStore, redis_url: str, redis_prefix: str
+) -> None:
+    """What the guard's own shield cannot cover: Redis applied a reserve whose reply never came
+    (the socket timed out), so the guard holds no token to release and raises
+    StoreUnavailableError. The store undoes the reservation by its nonce, so a retry runs the
+    work at once instead of answering "in progress" until the lease ends."""
+    _load_scripts(redis_url)
+    store = AsyncRedisStore(
+        f"redis://127.0.0.1:{proxy.port}/0", prefix=redis_prefix, socket_timeout=0.5
+    )
+    idem = AsyncIdempotency(store)
+    trap = proxy.trap(Face(store).sha("reserve"), "hold-reply")
+    runs = 0
+
+    async def charge() -> None:
+        nonlocal runs
+        async with idem.once("k-1", operation="charge", principal="alice") as attempt:
+            if not attempt.replayed:
+                runs += 1
+                attempt.result = "charged"
+
+    try:
+        with pytest.raises(StoreUnavailableError):
+            await charge()
+        assert trap.sprung.is_set()
+        await store._drain()
+        assert direct.stats() == {}  # Redis had reserved it; the undo deleted it
+        trap.go.set()
+        await charge()
+        await charge()
+    finally:
+        trap.go.set()
+        await store.aclose()
+    assert runs == 1
 
 
 @pytest.mark.parametrize("cancel", CANCELS)

@@ -20,7 +20,7 @@ import pytest
 
 from idempo import FencedError, SchemaMissingError, Scope, Status
 from idempo._core.record import Acquired
-from idempo.stores._sql import derived_name
+from idempo.stores._sql.dialect import derived_name
 from idempo.stores.memory import MemoryStore
 from idempo.stores.mysql import connect_options
 from idempo.stores.postgres import PostgresStore

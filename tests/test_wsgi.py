@@ -653,3 +653,19 @@ def test_concurrent_duplicates_on_a_real_server(store: Any, backend: Backend) ->
     assert sum(1 for status, again in statuses if status == 201 and not again) <= 1
     assert after.status_code == 201
     assert after.headers["idempotent-replayed"] == "true"
+
+
+@pytest.mark.parametrize(("path", "status"), [("/nothing", 404), ("/items", 405)])
+def test_an_unrouted_request_passes_through_unstored(
+    light_store: Any, backend: Backend, path: str, status: int
+) -> None:
+    """SPEC §2 rule 7: Werkzeug's own 404 / 405 (no rule matches) is answered before any view
+    runs: passed through unguarded, nothing stored, so the key stays free."""
+    client = build_app(backend, store=light_store).test_client()
+    key = new_key()
+    first = post(client, path, key, json=PAYMENT)
+    again = post(client, path, key, json=PAYMENT)
+    assert first.status_code == again.status_code == status
+    assert not replayed(again)
+    meant = post(client, "/orders", key, json=PAYMENT)
+    assert (meant.status_code, backend.calls["order"]) == (201, 1)

@@ -17,6 +17,7 @@ from ._core.fingerprint import fingerprint
 from ._core.flow import Codec
 from ._core.keys import Scope, derive_key, step_key, validate_key
 from ._core.record import Record, Status
+from ._reexport import publish
 from .errors import (
     ConfigurationError,
     ConflictError,
@@ -38,7 +39,7 @@ from .errors import (
     TransactionOwnershipError,
     UnserializableResultError,
 )
-from .guard import AsyncAttempt, AsyncIdempotency, Attempt, Idempotency
+from .guard import AsyncAttempt, AsyncHandle, AsyncIdempotency, Attempt, Handle, Idempotency
 from .policy import Policy
 from .serializers import JsonSerializer, Serializer, TypedSerializer
 from .stores import AsyncStore, Store, open_async_store, open_store
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncAttempt",
+    "AsyncHandle",
     "AsyncIdempotency",
     "AsyncStore",
     "Attempt",
@@ -56,6 +58,7 @@ __all__ = [
     "CorruptRecordError",
     "FencedError",
     "FingerprintMismatchError",
+    "Handle",
     "Idempotency",
     "IdempotencyError",
     "InvalidKeyError",
@@ -86,3 +89,17 @@ __all__ = [
     "step_key",
     "validate_key",
 ]
+
+# Defined in the private layers, imported from here.
+publish(
+    __name__,
+    Codec,
+    Record,
+    Scope,
+    Status,
+    derive_key,
+    fingerprint,
+    step_key,
+    validate_key,
+)
+del publish

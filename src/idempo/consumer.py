@@ -104,7 +104,7 @@ from .errors import (
     StoreError,
     TransactionOwnershipError,
 )
-from .guard import AsyncIdempotency, Attempt, Idempotency, _FunctionCodec
+from .guard import AsyncHandle, AsyncIdempotency, Attempt, FunctionCodec, Handle, Idempotency
 from .serializers import Serializer
 from .stores.base import Mode
 
@@ -234,7 +234,7 @@ def body_key(body: bytes) -> str:
     return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
-class _ConsumerCodec(_FunctionCodec):
+class _ConsumerCodec(FunctionCodec):
     """The function API's codec, with the consumer's idea of deterministic, and replays that
     never fail to decode (a duplicate is acknowledged whatever its stored result holds)."""
 
@@ -329,7 +329,7 @@ class _Consumer:
                 raise ConfigurationError(f"{option} must be 'ack' or 'dead_letter', not {value!r}")
         if mode not in ("transactional", "leased"):
             raise ConfigurationError(f"mode must be 'transactional' or 'leased', not {mode!r}")
-        if connection is not None and not idempotency._binds:
+        if connection is not None and not idempotency.joins_transactions:
             raise ConfigurationError(
                 f"{type(idempotency.store).__name__} cannot join the app's transaction;"
                 " connection= needs a SQL store"
@@ -382,7 +382,7 @@ class _Consumer:
                 return Outcome(Reason.EXPIRED, self.on_expired, key)
         return key
 
-    def _once_args(self, envelope: Envelope) -> dict[str, Any]:
+    def _begin_args(self, envelope: Envelope) -> dict[str, Any]:
         principal = self.principal if isinstance(self.principal, str) else self.principal(envelope)
         return {
             "operation": self.name,
@@ -522,28 +522,28 @@ class AsyncConsumer(_Consumer):
                 conn = (
                     await stack.enter_async_context(self.connection()) if self.connection else None
                 )
-                once = self.idempotency.once(key, conn=conn, **self._once_args(envelope))
-                attempt = await once.__aenter__()
+                handle = await self.idempotency.begin(key, conn=conn, **self._begin_args(envelope))
             except Exception as exc:  # noqa: BLE001 - every refusal becomes an outcome
                 return self._report(self._refused(key, exc), envelope)
+            attempt = handle.attempt
             if attempt.replayed:
                 return self._answered(Reason.DUPLICATE, key, attempt, envelope)
             delivery = Delivery(message, envelope, key, conn, attempt)
             try:
                 reset = _current.set(delivery)
                 try:
-                    attempt.result = await handler(delivery)
+                    result = await handler(delivery)
                 finally:
                     _current.reset(reset)
             except BaseException as exc:
-                error = await _aleave(once, exc)
+                error = await _aleave(handle, exc)
                 if isinstance(error, FencedError):  # the renewal cancelled the handler
                     return self._report(self._failed(key, error), envelope)
                 if not isinstance(exc, Exception):
                     raise  # a cancellation from outside: the key is released
                 return self._report(self._failed(key, error or exc), envelope)
             try:
-                await once.__aexit__(None, None, None)
+                await handle.finish(result)
             except Exception as exc:  # noqa: BLE001 - a failure to record becomes an outcome
                 return self._report(self._unrecorded(key, exc), envelope)
             return self._answered(Reason.EXECUTED, key, attempt, envelope)
@@ -573,32 +573,34 @@ class Consumer(_Consumer):
         with ExitStack() as stack:
             try:
                 conn = stack.enter_context(self.connection()) if self.connection else None
-                once = self.idempotency.once(key, conn=conn, **self._once_args(envelope))
-                attempt = once.__enter__()
+                handle = self.idempotency.begin(key, conn=conn, **self._begin_args(envelope))
             except Exception as exc:  # noqa: BLE001 - every refusal becomes an outcome
                 return self._report(self._refused(key, exc), envelope)
+            attempt = handle.attempt
             if attempt.replayed:
                 return self._answered(Reason.DUPLICATE, key, attempt, envelope)
             delivery = Delivery(message, envelope, key, conn, attempt)
             try:
                 reset = _current.set(delivery)
                 try:
-                    attempt.result = handler(delivery)
+                    result = handler(delivery)
                 finally:
                     _current.reset(reset)
             except BaseException as exc:
-                error = _leave(once, exc)
+                error = _leave(handle, exc)
                 if not isinstance(exc, Exception):
                     raise
                 return self._report(self._failed(key, error or exc), envelope)
             try:
-                once.__exit__(None, None, None)
+                handle.finish(result)
             except Exception as exc:  # noqa: BLE001 - a failure to record becomes an outcome
                 return self._report(self._unrecorded(key, exc), envelope)
             return self._answered(Reason.EXECUTED, key, attempt, envelope)
 
 
-async def _aleave(once: Any, exc: BaseException) -> TransactionOwnershipError | FencedError | None:
+async def _aleave(
+    handle: AsyncHandle[Any], exc: BaseException
+) -> TransactionOwnershipError | FencedError | None:
     """Hand the handler's exception to the guard: it releases the key or records the failure.
 
     Returns what the outcome carries instead of the handler's own error: the guard's
@@ -607,7 +609,7 @@ async def _aleave(once: Any, exc: BaseException) -> TransactionOwnershipError | 
     a lease lost while it ran (the renewal cancelled the handler).
     """
     try:
-        await once.__aexit__(type(exc), exc, exc.__traceback__)
+        await handle.abort(exc)
     except (TransactionOwnershipError, FencedError) as meant:
         return meant
     except Exception as fault:  # noqa: BLE001 - never raised over the handler's own error
@@ -617,10 +619,10 @@ async def _aleave(once: Any, exc: BaseException) -> TransactionOwnershipError | 
     return None
 
 
-def _leave(once: Any, exc: BaseException) -> TransactionOwnershipError | None:
+def _leave(handle: Handle[Any], exc: BaseException) -> TransactionOwnershipError | None:
     """The synchronous twin of `_aleave`."""
     try:
-        once.__exit__(type(exc), exc, exc.__traceback__)
+        handle.abort(exc)
     except TransactionOwnershipError as owned:
         return owned
     except Exception as fault:  # noqa: BLE001

@@ -11,6 +11,11 @@ with idem.once(key, operation="charge", payload=order, conn=conn) as attempt:
         conn.execute("INSERT ...")          # commits with the record, or not at all
         attempt.result = {"id": order.id}
 return attempt.result
+
+Integrations that cannot wrap the work in one block (a middleware whose response arrives in
+pieces, a consumer that maps every ending to a broker action) take the same call in two
+phases: ``handle = idem.begin(...)``, then ``handle.finish(result)`` or
+``handle.abort(exc)``. ``once`` is that handle with ``with`` around it.
 """
 
 from __future__ import annotations
@@ -20,19 +25,40 @@ import functools
 import inspect
 import json
 import logging
-import operator
-import typing
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    ParamSpec,
+    Required,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
 from ._core.fingerprint import fingerprint
-from ._core.flow import Codec, Done, Execute, Flow, apump, guarded_call, outlasting, pump
-from ._core.keys import Scope
+from ._core.flow import (
+    AsyncStoreVerbs,
+    Codec,
+    Done,
+    Execute,
+    Flow,
+    StoreVerbs,
+    Verbs,
+    apump,
+    guarded_call,
+    outlasting,
+    performer,
+    pump,
+)
+from ._core.keys import Scope, evict_hint
 from ._core.record import Record, Status
 from ._core.renewal import Renewal, ThreadRenewal
-from ._http import evict_hint
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -41,16 +67,46 @@ from .errors import (
     ReplayedFailureError,
 )
 from .policy import Policy
-from .serializers import Serializer, TypedSerializer
+from .serializers import Serializer, return_serializer
 from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
 
-__all__ = ["AsyncAttempt", "AsyncIdempotency", "Attempt", "Idempotency"]
+__all__ = [
+    "AsyncAttempt",
+    "AsyncHandle",
+    "AsyncIdempotency",
+    "Attempt",
+    "FunctionCodec",
+    "Handle",
+    "Idempotency",
+    "IdempotentOptions",
+]
 
 _logger = logging.getLogger("idempo")
 
+if TYPE_CHECKING:
+    # A bare `Attempt` stays `Attempt[Any]` under `mypy --strict` (PEP 696), as before it
+    # was generic; typing_extensions is only needed by the type checker.
+    from typing_extensions import TypeVar as _TypeVar
 
-class _FunctionCodec:
-    """Return values are completions; exceptions release, unless the policy names them."""
+    T = _TypeVar("T", default=Any)
+else:
+    T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class FunctionCodec:
+    """The function API's `Codec`: return values are completions; exceptions release the key,
+    unless they are one of ``fail_on`` (recorded FAILED and replayed as `ReplayedFailureError`).
+
+    Integrations that store what a function returns (consumers, sagas) subclass it to change
+    what counts as deterministic.
+
+    >>> from idempo.serializers import JsonSerializer
+    >>> codec = FunctionCodec(JsonSerializer(), fail_on=(ValueError,))
+    >>> codec.encode_result({"id": 1}), codec.encode_error(KeyError("k"))
+    ((<Status.COMPLETED: 'completed'>, b'{"id":1}'), (None, b''))
+    """
 
     def __init__(self, serializer: Serializer, fail_on: tuple[type[BaseException], ...]) -> None:
         self.serializer = serializer
@@ -85,7 +141,7 @@ class _FunctionCodec:
         raise ReplayedFailureError(error, detail)
 
 
-class Attempt:
+class Attempt(Generic[T]):
     """What a guarded block works with.
 
     Attributes:
@@ -93,13 +149,15 @@ class Attempt:
         replayed: True if the work already ran; ``result`` then holds its stored result and
             the block must not do the work again.
         result: set it to the work's result before leaving the block; it is stored and
-            replayed to every retry.
+            replayed to every retry. (Typed ``T``: ``Attempt[Receipt]``; None until set.)
         token: this attempt's fencing token (None on a replay).
         recovery_point: the last step a previous, taken-over attempt recorded, if any.
         lease_lost: True once a renewal was refused (a background one included): another
             attempt took the key over and this one's outcome will be refused. Long work
             checks it, or calls `renew`, before each step it cannot take back.
     """
+
+    result: T
 
     def __init__(
         self,
@@ -146,7 +204,7 @@ class Attempt:
             self._lost = exc
 
 
-class AsyncAttempt(Attempt):
+class AsyncAttempt(Attempt[T]):
     """The asynchronous twin of `Attempt`: ``await attempt.renew()``."""
 
     async def renew(self) -> None:  # type: ignore[override]
@@ -159,8 +217,16 @@ class AsyncAttempt(Attempt):
                 raise
 
 
-class _Call:
-    """What one guarded block needs, before any I/O: shared by the sync and async twins."""
+class _Pending(Generic[T]):
+    """One guarded call, before any I/O: what the sync and async handles share.
+
+    Its flow is None once nothing is held any more (a replay, or the call settled), which
+    makes settling a second time a no-op.
+    """
+
+    attempt: Attempt[T]
+    _attempt_class: type[Attempt[Any]]
+    _renewal_class: type[ThreadRenewal] | type[Renewal]
 
     def __init__(
         self,
@@ -169,119 +235,205 @@ class _Call:
         payload: Any,
         policy: Policy,
         codec: Codec,
-        attempt_class: type[Attempt],
-        renew_every: float | None = None,
+        renew_every: float | None,
     ) -> None:
-        self.unit = unit
-        self.scope = scope
-        self.policy = policy
-        self.codec = codec
-        self.renew_every = renew_every
-        self.flow: Flow = guarded_call(scope, fingerprint(payload), policy, self.codec)
-        self.attempt_class = attempt_class
-        self.attempt: Attempt | None = None
-        self.token = 0
+        self._unit = unit
+        self._scope = scope
+        self._policy = policy
+        self._codec = codec
+        self._every = renew_every
+        self._flow: Flow | None = guarded_call(scope, fingerprint(payload), policy, codec)
+        self._token = 0
+        self._renewal: Any = None
 
-    def replayed(self, record: Record) -> Attempt:
-        self.attempt = self.attempt_class(
-            self.scope, replayed=True, result=self.codec.decode(record)
+    def _started(self, step: Execute | Done) -> Any:
+        """The attempt the work runs with (renewed, if asked), or the replay the flow found."""
+        if isinstance(step, Execute):
+            attempt = self._attempt_class(
+                self._scope,
+                replayed=False,
+                token=step.token,
+                recovery_point=step.recovery_point,
+            )
+            self._token = step.token
+            attempt._renew = self._renew
+            self.attempt = attempt
+            if self._every is not None:
+                # Async: started in the task that runs the work; a lost lease cancels it.
+                self._renewal = self._renewal_class(attempt, self._every, _logger)  # type: ignore[arg-type]
+                self._renewal.start()
+            return attempt
+        assert step.record is not None, "the flow ended before the work with nothing to replay"
+        self._flow = None  # a replay holds nothing
+        self.attempt = self._attempt_class(
+            self._scope, replayed=True, result=self._codec.decode(step.record)
         )
         return self.attempt
 
-    def executing(self, execute: Execute) -> Attempt:
-        attempt = self.attempt_class(
-            self.scope,
-            replayed=False,
-            token=execute.token,
-            recovery_point=execute.recovery_point,
-        )
-        self.token = execute.token
-        attempt._renew = self._renew
-        self.attempt = attempt
-        return attempt
+    def _begin(self) -> Any:
+        raise NotImplementedError
 
     def _renew(self) -> Any:
-        policy = self.policy
-        return self.unit.renew(self.scope, self.token, now=policy.now(), lease=policy.lease)
-
-    def started(self, step: Execute | Done) -> Attempt:
-        """The attempt a block works with: executing, or replaying the record the flow found."""
-        if isinstance(step, Execute):
-            return self.executing(step)
-        assert step.record is not None, "the flow ended before the work with nothing to replay"
-        return self.replayed(step.record)
-
-    def resume(self, exc: BaseException | None) -> Any:
-        """The first operation after the block: its result, or its exception thrown in."""
-        if exc is not None:
-            return self.flow.throw(exc)
-        assert self.attempt is not None
-        return self.flow.send(self.attempt.result)
+        policy = self._policy
+        return self._unit.renew(self._scope, self._token, now=policy.now(), lease=policy.lease)
 
 
-class _Once:
-    """Context manager returned by `Idempotency.once`."""
+class Handle(_Pending[T]):
+    """One guarded call in two phases: `Idempotency.begin` reserved it; end it with exactly
+    one of `finish` or `abort` (later calls do nothing).
 
-    def __init__(self, call: _Call) -> None:
-        self._call = call
-        self._renewal: ThreadRenewal | None = None
+    On a replay (``handle.attempt.replayed``) nothing is held and ending it is optional.
+    An executing handle that is never ended keeps its key until the lease (or the app's
+    transaction) ends: use `Idempotency.once` where the work fits in one block.
 
-    def __enter__(self) -> Attempt:
-        call = self._call
-        attempt = call.started(pump(call.flow, call.unit, call.policy, next(call.flow)))
-        if call.renew_every is not None and not attempt.replayed:
-            self._renewal = ThreadRenewal(attempt, call.renew_every, _logger)
-            self._renewal.start()
+    >>> from idempo.stores.memory import MemoryStore
+    >>> idem = Idempotency(MemoryStore())
+    >>> handle = idem.begin("k-1", operation="pay")
+    >>> handle.attempt.replayed
+    False
+    >>> handle.finish({"paid": 5})
+    >>> idem.begin("k-1", operation="pay").attempt.result
+    {'paid': 5}
+
+    Attributes:
+        attempt: the call's `Attempt` (scope, replayed, result, token, ``renew()``).
+    """
+
+    attempt: Attempt[T]
+    _attempt_class = Attempt
+    _renewal_class = ThreadRenewal
+    _renewal: ThreadRenewal | None
+
+    def _enter(self) -> Attempt[T]:
+        # Typed locals, not cast(): this runs on every call, and casts are calls.
+        flow: Flow = self._flow  # type: ignore[assignment]
+        attempt: Attempt[T] = self._started(pump(flow, self._unit, self._policy, next(flow)))
         return attempt
 
-    def __exit__(
+    def _begin(self) -> Handle[T]:
+        self._enter()
+        return self
+
+    def finish(self, result: T) -> None:
+        """Store ``result`` as the work's outcome (per the codec: a completion, a recorded
+        failure or a release), to be replayed to every retry.
+
+        Raises:
+            FencedError: the lease was lost to another attempt; the outcome was refused.
+            ResponseTooLargeError, UnserializableResultError: the result cannot be stored.
+            TransactionOwnershipError: the work committed or ended the guard's transaction.
+            StoreError: the store failed to record it.
+        """
+        if self._flow is not None:
+            self.attempt.result = result
+            self._exit(None, None, None)
+
+    def abort(self, exc: BaseException) -> None:
+        """The work raised ``exc``: release the key, or record the failure (``fail_on``).
+
+        Returns when ``exc`` is what the caller should raise (``except BaseException as exc:
+        handle.abort(exc); raise``). Raises instead only what is truer than ``exc``:
+        `TransactionOwnershipError` when the work committed the guard's transaction itself.
+        A store fault while releasing never replaces ``exc``.
+        """
+        self._exit(type(exc), exc, exc.__traceback__)
+
+    def _exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> Literal[False]:
-        call = self._call
-        if call.attempt is None or call.attempt.replayed:
-            return False
+    ) -> None:
+        flow = self._flow
+        if flow is None:
+            return
+        self._flow = None
         if self._renewal is not None:
             self._renewal.stop()  # a lost lease marked the attempt; its outcome is fenced
         try:
-            step = pump(call.flow, call.unit, call.policy, call.resume(exc))
+            step = pump(
+                flow,
+                self._unit,
+                self._policy,
+                flow.send(self.attempt.result) if exc is None else flow.throw(exc),
+            )
         except BaseException as raised:
             if raised is exc:
-                return False
+                return
             raise
         if isinstance(step, Done):
-            return False
+            return
         raise AssertionError("the flow asked to execute twice")
 
 
-class _AsyncOnce:
-    """Async context manager returned by `AsyncIdempotency.once`."""
+class _Once(Handle[T]):
+    """What `Idempotency.once` returns: the handle, begun on entering the block and
+    finished or aborted on leaving it."""
 
-    def __init__(self, call: _Call) -> None:
-        self._call = call
-        self._renewal: Renewal | None = None
+    __enter__ = Handle._enter
+    __exit__ = Handle._exit
 
-    async def __aenter__(self) -> AsyncAttempt:
-        call = self._call
-        step = await apump(call.flow, call.unit, call.policy, next(call.flow))
-        attempt = cast(AsyncAttempt, call.started(step))
-        if call.renew_every is not None and not attempt.replayed:
-            # Started in the task that runs the block: a lost lease cancels that task.
-            self._renewal = Renewal(attempt, call.renew_every, _logger)
-            self._renewal.start()
+
+class AsyncHandle(_Pending[T]):
+    """The asynchronous twin of `Handle`: ``handle = await idem.begin(...)``, then ``await
+    handle.finish(result)`` or ``await handle.abort(exc)``.
+
+    The guard's own store operations are shielded from the caller's cancellation and bounded
+    (as on leaving ``async with idem.once(...)``). With ``renew_every``, the renewal runs in
+    the task that awaited `AsyncIdempotency.begin`; a lost lease cancels that task, and
+    `abort` of that cancellation raises `FencedError`.
+
+    >>> import asyncio
+    >>> from idempo.stores.memory import AsyncMemoryStore
+    >>> idem = AsyncIdempotency(AsyncMemoryStore())
+    >>> async def twice():
+    ...     for _ in range(2):
+    ...         handle = await idem.begin("e-1", operation="ship")
+    ...         if not handle.attempt.replayed:
+    ...             await handle.finish("shipped")
+    ...     return handle.attempt.replayed, handle.attempt.result
+    >>> asyncio.run(twice())
+    (True, 'shipped')
+    """
+
+    attempt: AsyncAttempt[T]
+    _attempt_class = AsyncAttempt
+    _renewal_class = Renewal
+    _renewal: Renewal | None
+
+    async def _enter(self) -> AsyncAttempt[T]:
+        flow: Flow = self._flow  # type: ignore[assignment]
+        attempt: AsyncAttempt[T] = self._started(
+            await apump(flow, self._unit, self._policy, next(flow))
+        )
         return attempt
 
-    async def __aexit__(
+    async def _begin(self) -> AsyncHandle[T]:
+        await self._enter()
+        return self
+
+    def finish(self, result: T) -> Coroutine[Any, Any, None]:
+        """Store ``result``; see `Handle.finish`. Raises `FencedError` also when the work
+        swallowed the cancellation a lost lease caused."""
+        if self._flow is not None:
+            self.attempt.result = result
+        return self._exit(None, None, None)
+
+    def abort(self, exc: BaseException) -> Coroutine[Any, Any, None]:
+        """See `Handle.abort`; raises `FencedError` when ``exc`` is the cancellation a lost
+        lease caused (``renew_every``)."""
+        return self._exit(type(exc), exc, exc.__traceback__)
+
+    async def _exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> Literal[False]:
-        call = self._call
-        if call.attempt is None or call.attempt.replayed:
-            return False
+    ) -> None:
+        flow = self._flow
+        if flow is None:
+            return
+        self._flow = None
         ended = exc
         if self._renewal is not None:
             await self._renewal.stop()
@@ -292,47 +444,41 @@ class _AsyncOnce:
         cancelled = ended if isinstance(ended, asyncio.CancelledError) else None
         try:
             step = await apump(
-                call.flow, call.unit, call.policy, call.resume(ended), cancelled=cancelled
+                flow,
+                self._unit,
+                self._policy,
+                flow.send(self.attempt.result) if ended is None else flow.throw(ended),
+                cancelled=cancelled,
             )
         except BaseException as raised:
             if raised is exc:
-                return False
+                return
             raise
         if isinstance(step, Done):
             if ended is not exc and ended is not None:
                 raise ended
-            return False
+            return
         raise AssertionError("the flow asked to execute twice")
 
 
-def _forward(verb: str) -> Any:
-    return property(operator.attrgetter(f"_store.{verb}"))
+class _AsyncOnce(AsyncHandle[T]):
+    """What `AsyncIdempotency.once` returns: ``async with`` begins and ends the handle."""
+
+    __aenter__ = AsyncHandle._enter
+    __aexit__ = AsyncHandle._exit
 
 
-class _Leased:
-    """A store used directly: none of the work runs on it, so there is nothing to discard."""
+class IdempotentOptions(TypedDict, total=False):
+    """The keyword arguments of `Idempotency.idempotent` (see there), for type checkers."""
 
-    def __init__(self, store: Any) -> None:
-        self._store = store
-
-    # The verbs are forwarded by name: __getattr__ alone would fail a lookup first, which
-    # costs more than the memory store's verb itself.
-    reserve = _forward("reserve")
-    complete = _forward("complete")
-    fail = _forward("fail")
-    release = _forward("release")
-    renew = _forward("renew")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def discard(self) -> bool:
-        return False  # the work's effects are its own, out of any transaction of idempo's
-
-
-class _AsyncLeased(_Leased):
-    async def discard(self) -> bool:  # type: ignore[override]
-        return False
+    key: Required[str | Callable[..., str]]
+    operation: str | None
+    payload: Callable[..., Any] | None
+    principal: str | Callable[..., str]
+    conn: str | None
+    mode: Mode
+    serializer: Serializer | None
+    renew_every: float | timedelta | None
 
 
 class _Decorated:
@@ -359,7 +505,7 @@ class _Decorated:
         self.payload = payload
         self.principal = principal
         self.conn = conn
-        self.serializer = serializer or _serializer_for(fn)
+        self.serializer = serializer or return_serializer(fn)
         self.renew_every = renew_every
 
     def resolve(self, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -385,33 +531,15 @@ class _Decorated:
         }
 
 
-def _serializer_for(fn: Callable[..., Any]) -> Serializer | None:
-    """A typed serializer when the return annotation says more than "JSON": dataclasses,
-    pydantic models, and containers of them come back as what the function returned."""
-    try:
-        hint = typing.get_type_hints(fn).get("return")
-    except (NameError, TypeError):
-        return None
-    if hint in (None, type(None), object, Any) or hint in _PLAIN_JSON:
-        return None
-    try:
-        return TypedSerializer(hint)
-    except Exception:  # noqa: BLE001 - no pydantic, or a type it cannot describe: plain JSON
-        return None
+OnceT = TypeVar("OnceT", bound=_Pending[Any])
+BegunT = TypeVar("BegunT")
 
 
-_PLAIN_JSON = (str, int, float, bool, dict, list)
-
-
-OnceT = TypeVar("OnceT", _Once, _AsyncOnce)
-
-
-class _Guard(Generic[OnceT]):
+class _Guard(Generic[OnceT, BegunT]):
     """What `Idempotency` and `AsyncIdempotency` share: everything but the I/O driver."""
 
-    _once: Callable[[_Call], OnceT]
-    _attempt: type[Attempt]
-    _leased: type[_Leased]
+    _once: Callable[..., OnceT]
+    _leased: type[Verbs]
     _capability: type[Any]
 
     def __init__(self, store: Any, policy: Policy | None = None) -> None:
@@ -420,6 +548,12 @@ class _Guard(Generic[OnceT]):
         # Checked once: a runtime Protocol check costs more than a round trip's worth of
         # Python on every call.
         self._binds = isinstance(store, self._capability)
+
+    @property
+    def joins_transactions(self) -> bool:
+        """Whether the store can run a call in the app's transaction (``conn=``): the SQL
+        stores can; Redis, the memory store and the cache cannot."""
+        return self._binds
 
     def once(
         self,
@@ -436,7 +570,8 @@ class _Guard(Generic[OnceT]):
     ) -> OnceT:
         """Guard a block: it runs once per scope; retries get ``attempt.result`` replayed.
 
-        Use ``with`` on `Idempotency`, ``async with`` on `AsyncIdempotency`.
+        Use ``with`` on `Idempotency`, ``async with`` on `AsyncIdempotency`. The key is
+        reserved on entering the block; `begin` does the same in two phases.
 
         Args:
             key: the idempotency key, minted once per intent by the caller.
@@ -469,9 +604,51 @@ class _Guard(Generic[OnceT]):
         """
         scope = Scope.of(key, operation=operation, principal=principal)
         unit = self._unit(conn, mode)
-        codec = codec or _FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
+        codec = codec or FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
         every = self._renewal_period(renew_every, held=conn is not None and mode == "transactional")
-        return self._once(_Call(unit, scope, payload, self.policy, codec, self._attempt, every))
+        return self._once(unit, scope, payload, self.policy, codec, every)
+
+    def begin(
+        self,
+        key: str,
+        *,
+        operation: str,
+        payload: Any = b"",
+        principal: str = "",
+        conn: Any = None,
+        mode: Mode = "transactional",
+        serializer: Serializer | None = None,
+        codec: Codec | None = None,
+        renew_every: float | timedelta | None = None,
+    ) -> BegunT:
+        """Reserve the key now and return the `Handle` (``await`` it on `AsyncIdempotency`:
+        an `AsyncHandle`); end the call with ``handle.finish(result)`` or
+        ``handle.abort(exc)``. For integrations whose work does not fit in one ``with``
+        block. The arguments, and what is raised, are those of `once`.
+
+            handle = idem.begin(key, operation="charge", payload=order)
+            if not handle.attempt.replayed:
+                try:
+                    result = charge(order)
+                except BaseException as exc:
+                    handle.abort(exc)        # releases the key, or records the failure
+                    raise
+                handle.finish(result)        # stores it; may raise FencedError
+            return handle.attempt.result
+        """
+        once = self.once(
+            key,
+            operation=operation,
+            payload=payload,
+            principal=principal,
+            conn=conn,
+            mode=mode,
+            serializer=serializer,
+            codec=codec,
+            renew_every=renew_every,
+        )
+        begun: BegunT = once._begin()
+        return begun
 
     def _renewal_period(self, every: float | timedelta | None, *, held: bool) -> float | None:
         if every is None:
@@ -486,15 +663,27 @@ class _Guard(Generic[OnceT]):
 
     def _unit(self, conn: Any, mode: Mode) -> Any:
         if conn is None:
-            return self._leased(self.store)
+            # A store used directly: it takes operations itself (SQL, cached stores), or its
+            # verbs do (nothing of the work runs on it, so there is nothing to discard).
+            # Made once per store: it holds nothing of a call's.
+            direct = self.__dict__.get("_direct")
+            if direct is None or direct[0] is not self.store:
+                direct = self.__dict__["_direct"] = (
+                    self.store,
+                    performer(self.store, self._leased),
+                )
+            return direct[1]
         if not self._binds:
             raise ConfigurationError(
                 f"{type(self.store).__name__} cannot join the app's transaction"
             )
         binder = cast(Any, self.store)
-        return binder.bind(conn, mode=mode, lock_timeout=self.policy.lock_timeout)
+        unit = binder.bind(conn, mode=mode, lock_timeout=self.policy.lock_timeout)
+        # A unit that takes operations itself (idempo's SQL units) goes as it is; another
+        # (a user's store's) through the table of verbs. Tested inline: this is per call.
+        return unit if hasattr(type(unit), "perform") else Verbs(unit)
 
-    def idempotent(
+    def _idempotent(
         self,
         fn: Callable[..., Any] | None = None,
         *,
@@ -508,7 +697,8 @@ class _Guard(Generic[OnceT]):
         renew_every: float | timedelta | None = None,
     ) -> Any:
         """Decorate a function (``async def`` on `AsyncIdempotency`) so it runs once per key
-        and replays its return value.
+        and replays its return value. The decorated function keeps its signature and return
+        type for type checkers (``mypy --strict``).
 
         Args:
             key: the parameter that holds the key, or a function of the arguments.
@@ -544,7 +734,7 @@ class _Guard(Generic[OnceT]):
         raise NotImplementedError
 
 
-class Idempotency(_Guard[_Once]):
+class Idempotency(_Guard[_Once[Any], Handle[Any]]):
     """Runs work once per scope against a synchronous store and replays its result.
 
     Args:
@@ -563,24 +753,37 @@ class Idempotency(_Guard[_Once]):
     """
 
     _once = _Once
-    _attempt = Attempt
-    _leased = _Leased
+    _leased = StoreVerbs
     _capability = TransactionalStore
 
     def __init__(self, store: Store, policy: Policy | None = None) -> None:
         super().__init__(store, policy)
 
-    def _wrap(self, func: Callable[..., Any], spec: _Decorated, mode: Mode) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+    @overload
+    def idempotent(
+        self, fn: Callable[P, R], **options: Unpack[IdempotentOptions]
+    ) -> Callable[P, R]: ...
+    @overload
+    def idempotent(
+        self, fn: None = None, **options: Unpack[IdempotentOptions]
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+    def idempotent(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+        return self._idempotent(fn, **options)
+
+    idempotent.__doc__ = _Guard._idempotent.__doc__
+
+    def _wrap(self, func: Callable[P, R], spec: _Decorated, mode: Mode) -> Callable[P, R]:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
                 if not attempt.replayed:
                     attempt.result = func(*args, **kwargs)
-            return attempt.result
+            result: R = attempt.result
+            return result
 
         return wrapper
 
 
-class AsyncIdempotency(_Guard[_AsyncOnce]):
+class AsyncIdempotency(_Guard[_AsyncOnce[Any], Coroutine[Any, Any, AsyncHandle[Any]]]):
     """The asynchronous twin of `Idempotency`, for an `AsyncStore` and ``async def`` work.
 
     >>> import asyncio
@@ -594,18 +797,33 @@ class AsyncIdempotency(_Guard[_AsyncOnce]):
     """
 
     _once = _AsyncOnce
-    _attempt = AsyncAttempt
-    _leased = _AsyncLeased
+    _leased = AsyncStoreVerbs
     _capability = AsyncTransactionalStore
 
     def __init__(self, store: AsyncStore, policy: Policy | None = None) -> None:
         super().__init__(store, policy)
 
-    def _wrap(self, func: Callable[..., Any], spec: _Decorated, mode: Mode) -> Callable[..., Any]:
-        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    @overload
+    def idempotent(
+        self, fn: Callable[P, Awaitable[R]], **options: Unpack[IdempotentOptions]
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+    @overload
+    def idempotent(
+        self, fn: None = None, **options: Unpack[IdempotentOptions]
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]: ...
+    def idempotent(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+        return self._idempotent(fn, **options)
+
+    idempotent.__doc__ = _Guard._idempotent.__doc__
+
+    def _wrap(
+        self, func: Callable[P, Awaitable[R]], spec: _Decorated, mode: Mode
+    ) -> Callable[P, Coroutine[Any, Any, R]]:
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             async with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
                 if not attempt.replayed:
                     attempt.result = await func(*args, **kwargs)
-            return attempt.result
+            result: R = attempt.result
+            return result
 
         return wrapper

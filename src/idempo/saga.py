@@ -24,7 +24,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ._core.keys import step_key, validate_key
-from .guard import AsyncIdempotency, Idempotency, _serializer_for
+from .guard import AsyncIdempotency, Idempotency
+from .serializers import return_serializer
 from .stores.base import Mode
 
 __all__ = ["AsyncSaga", "Saga"]
@@ -59,7 +60,7 @@ class _Saga:
             "principal": self.principal,
             "conn": conn,
             "mode": mode,
-            "serializer": _serializer_for(fn),
+            "serializer": return_serializer(fn),
         }
 
 

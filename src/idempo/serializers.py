@@ -7,11 +7,13 @@ other type pydantic can validate, so a replay returns the same type the first ca
 from __future__ import annotations
 
 import json
+import typing
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import ConfigurationError
 
-__all__ = ["JsonSerializer", "Serializer", "TypedSerializer"]
+__all__ = ["JsonSerializer", "Serializer", "TypedSerializer", "return_serializer"]
 
 
 @runtime_checkable
@@ -69,3 +71,33 @@ class TypedSerializer:
 
     def loads(self, data: bytes) -> Any:
         return self._adapter.validate_json(data)
+
+
+def return_serializer(fn: Callable[..., Any]) -> Serializer | None:
+    """A `TypedSerializer` for what ``fn`` returns, when its return annotation says more than
+    "JSON": dataclasses, pydantic models and containers of them then come back as what the
+    function returned. None where plain JSON does (no annotation, ``dict``, ``int``...), or
+    where pydantic is missing or cannot describe the type.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Receipt:
+    ...     id: str
+    >>> def pay() -> Receipt: ...
+    >>> def count() -> int: ...
+    >>> type(return_serializer(pay)).__name__, return_serializer(count)
+    ('TypedSerializer', None)
+    """
+    try:
+        hint = typing.get_type_hints(fn).get("return")
+    except (NameError, TypeError):
+        return None
+    if hint in (None, type(None), object, Any) or hint in _PLAIN_JSON:
+        return None
+    try:
+        return TypedSerializer(hint)
+    except Exception:  # noqa: BLE001 - no pydantic, or a type it cannot describe: plain JSON
+        return None
+
+
+_PLAIN_JSON = (str, int, float, bool, dict, list)

@@ -6,43 +6,48 @@
     app = Flask(__name__)
     app.wsgi_app = IdempotencyWSGIMiddleware(app.wsgi_app, store="sqlite:///idem.db")
 
-Every guarded request (POST and PATCH by default) goes through the sync `Idempotency.once`
-with the same `HttpCodec`, key parsing, fingerprint and problems as the ASGI middleware
-(`idempo._http`), so both answer the same way, row for row. docs/http.md has the table.
+Every guarded request (POST and PATCH by default) goes through the shared HTTP lifecycle
+(`idempo._http.lifecycle`) on the sync `Idempotency`, with the same options, codec, key
+parsing, fingerprint and problems as the ASGI middleware, so both answer the same way, row
+for row; this module only translates WSGI. docs/http.md has the table.
 """
 
 from __future__ import annotations
 
 import importlib
 import io
-from collections.abc import Callable, Collection, Iterable, Iterator
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
-from ._http import (
-    DEFAULT_BODY_LIMIT,
-    DEFAULT_FINGERPRINT_FIELDS,
-    NO_RESOLVER,
-    Classifier,
-    FingerprintField,
-    Header,
-    HttpRequest,
-    HttpResponse,
-    classify_status,
+from ._http.keys import KEY_HEADER, Header, headers_named
+from ._http.lifecycle import (
+    READ_HEADERS,
+    Incoming,
+    Lifecycle,
+    Run,
+    Unguarded,
+    read_limited,
+    reserve,
 )
-from ._sync_http import Run, SyncHttpGuard, Unguarded, read_limited
-from .guard import Idempotency
-from .policy import Policy
-from .stores.base import Store
+from ._http.options import HttpOptions, HttpSettings, ShowsOptions
+from ._http.response import HttpResponse
+from ._http.routes import FlaskRoutes, flask_route_template
+from ._reexport import publish
+from .errors import ConfigurationError, StoreUnavailableError
+from .guard import Attempt
 
 __all__ = [
     "IdempotencyWSGIMiddleware",
+    "current_attempt",
     "flask_login_user",
     "flask_route_template",
+    "idempotent_connection",
     "request_headers",
 ]
+
+publish(__name__, flask_route_template)
 
 Environ = dict[str, Any]
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
@@ -50,50 +55,27 @@ Write = Callable[[bytes], object]
 StartResponse = Callable[..., Write]
 WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 
+# Where a guarded request's attempt and connection are put in the app's environ.
+ATTEMPT_ENVIRON_KEY = "idempo.attempt"
+CONNECTION_ENVIRON_KEY = "idempo.connection"
 
-class IdempotencyWSGIMiddleware:
+
+class IdempotencyWSGIMiddleware(ShowsOptions):
     """Runs each guarded request once per ``(principal, operation, Idempotency-Key)`` and
     answers every duplicate with the first response, byte for byte.
 
-    The options are the ASGI middleware's (`idempo.asgi.IdempotencyMiddleware`), with the
-    WSGI ``environ`` where that one takes the ASGI scope.
-
     Args:
         app: the WSGI app to guard (for Flask, ``flask_app.wsgi_app``).
-        store: a sync `Store` or a store URL (``open_store``); migrate SQL stores first.
-            Give either this or ``idempotency``.
-        idempotency: an `Idempotency` to share with the rest of the app (its policy applies).
-        policy: with ``store``: leases, retention and clock; defaults to `Policy()`.
-        lease: with ``store``: overrides the policy's lease (seconds or a timedelta). A
-            thread renews it every third of a lease while the app runs.
-        methods: the guarded methods; others pass through untouched.
-        require_key: answer 400 to a guarded request without a key; if False such a
-            request passes through without idempotency.
-        principal: who asked, from the environ (e.g. ``environ["REMOTE_USER"]``). A string
-            is the principal (``""``: anonymous); None means the resolver cannot tell, and
-            the request is refused with 401 ``principal-required`` unless
-            ``allow_anonymous``. Without a resolver: Flask-Login's ``current_user`` when the
-            Flask app has a login manager and the user is authenticated, else a SHA-256 of
-            the Authorization header, else anonymous (docs/http.md).
-        allow_anonymous: anonymous callers are expected: a resolver's None means the
-            default principal instead of a 401, and a cookie-carrying anonymous request is
-            not warned of.
-        operation: what was asked, from the environ; None or a None result means the
-            default, ``"METHOD route-template"`` (see ``routes``) or ``"METHOD path"``.
-        routes: where route templates come from: a Flask app (anything with a Werkzeug
-            ``url_map``) or a callable ``environ -> template | None``. By default the Flask
-            app is found on ``app`` itself or, for ``flask_app.wsgi_app``, its ``__self__``.
-        fingerprint_fields: which of ``method``, ``path``, ``query``, ``body`` count.
-        fingerprint_headers: request headers that count too (e.g. ``("content-type",)``).
-        max_request_bytes: a larger body gets 413 before anything is stored.
-        max_response_bytes: a larger response streams to the client and is recorded as a
-            FAILED ``response-not-stored`` problem: retries never execute again.
-        replay_status_200: replay a stored 2xx response with status 200 (same body).
-        fail_open: when the store is unreachable, run the request without idempotency
-            instead of answering 503.
-        classify: which statuses are stored (COMPLETED/FAILED) and which release the key.
-        max_retry_after: the most a 409's ``Retry-After`` says, in seconds.
-        store_retry_after: ``Retry-After`` of a 503, in seconds.
+        options: the `idempo._http.options.HttpOptions` (the ASGI middleware's), with a
+            sync `Store` (or a URL for ``open_store``) or an `Idempotency`. The
+            ``principal``, ``operation`` and ``routes`` callables take the WSGI environ.
+            Without ``principal``: Flask-Login's ``current_user`` when the Flask app has a
+            login manager. ``routes`` may also be a Flask app (anything with a Werkzeug
+            ``url_map``); by default the Flask app is found on ``app`` itself or, for
+            ``flask_app.wsgi_app``, its ``__self__``. ``connection`` is a context manager
+            factory (SQLAlchemy's ``engine.connect`` or ``sessionmaker``, a psycopg
+            ``ConnectionPool.connection``); the view writes on `idempotent_connection`, so
+            its writes and the stored response commit together (docs/http.md).
 
     >>> from idempo.stores.memory import MemoryStore
     >>> def app(environ, start_response): ...
@@ -102,112 +84,85 @@ class IdempotencyWSGIMiddleware:
     datetime.timedelta(seconds=10)
     """
 
-    def __init__(
-        self,
-        app: WSGIApp,
-        *,
-        store: Store | str | None = None,
-        idempotency: Idempotency | None = None,
-        policy: Policy | None = None,
-        lease: float | timedelta | None = None,
-        methods: Collection[str] = ("POST", "PATCH"),
-        require_key: bool = True,
-        principal: Callable[[Environ], str | None] | None = None,
-        allow_anonymous: bool = False,
-        operation: Callable[[Environ], str | None] | None = None,
-        routes: Any = None,
-        fingerprint_fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
-        fingerprint_headers: Collection[str] = (),
-        max_request_bytes: int = DEFAULT_BODY_LIMIT,
-        max_response_bytes: int = DEFAULT_BODY_LIMIT,
-        replay_status_200: bool = False,
-        fail_open: bool = False,
-        classify: Classifier = classify_status,
-        max_retry_after: int = 5,
-        store_retry_after: int = 5,
-    ) -> None:
+    def __init__(self, app: WSGIApp, **options: Unpack[HttpOptions[Environ]]) -> None:
         self.app = app
-        self.guard = SyncHttpGuard(
-            store=store,
-            idempotency=idempotency,
-            policy=policy,
-            lease=lease,
-            methods=methods,
-            require_key=require_key,
-            allow_anonymous=allow_anonymous,
-            fingerprint_fields=fingerprint_fields,
-            fingerprint_headers=fingerprint_headers,
-            max_request_bytes=max_request_bytes,
-            max_response_bytes=max_response_bytes,
-            replay_status_200=replay_status_200,
-            fail_open=fail_open,
-            classify=classify,
-            max_retry_after=max_retry_after,
-            store_retry_after=store_retry_after,
-            owner=type(self).__name__,
-        )
-        self.idempotency = self.guard.idempotency
-        self.principal = principal
-        self.operation = operation
+        settings = HttpSettings(options, owner=type(self).__name__)
+        routes = settings.routes
         self.flask_app = _flask_app_of(app)
         if self.flask_app is None and hasattr(routes, "url_map"):
             self.flask_app = routes
-        self.routes = routes if routes is not None else self.flask_app
+        if routes is None or hasattr(routes, "url_map"):
+            routes = FlaskRoutes(self.flask_app) if self.flask_app is not None else None
+        self.routes: Callable[[Environ], Any] | None = routes
+        self.settings = settings
+        self.lifecycle = Lifecycle(settings, routes)
+        self.idempotency = settings.idempotency
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        guard = self.guard
+        lifecycle = self.lifecycle
+        settings = lifecycle.settings
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
-        if not guard.guards(method):
+        if method not in settings.methods:
             return self.app(environ, start_response)
         headers = request_headers(environ)
-        key = guard.key(headers)
-        if isinstance(key, Unguarded):
+        named = headers_named(headers, READ_HEADERS)
+        key = lifecycle.key(named.get(KEY_HEADER, []))
+        if key is None:
             return self.app(environ, start_response)  # never buffered: no key, none required
         if isinstance(key, HttpResponse):
             return _answer(start_response, key)
-        refusal = guard.check_length(headers)
-        if refusal is not None:
-            return _answer(start_response, refusal)
-        body = _read_body(environ, guard.max_request_bytes)
+        if lifecycle.declared_too_large(named.get(b"content-length")):
+            return _answer(start_response, lifecycle.too_large())
+        body = _read_body(environ, settings.max_request_bytes)
         if body is None:
-            return _answer(start_response, guard.too_large())
+            return _answer(start_response, lifecycle.too_large())
         # The app reads the body again, from what was read here.
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
         path = str(environ.get("SCRIPT_NAME", "")) + str(environ.get("PATH_INFO", ""))
-        request = HttpRequest(
-            method=method,
-            path=path,
-            query=str(environ.get("QUERY_STRING", "")).encode("latin-1"),
-            headers=headers,
-            body=body,
-        )
-        principal = guard.principal(
-            self.principal(environ) if self.principal else NO_RESOLVER,
-            lambda: flask_login_user(self.flask_app, environ, body),
-            headers,
-        )
-        if isinstance(principal, HttpResponse):
-            return _answer(start_response, principal)
-        outcome = guard.reserve(
-            key, request, operation=self._operation(environ, method, path), principal=principal
-        )
+        query = str(environ.get("QUERY_STRING", "")).encode("latin-1")
+        user = lambda: flask_login_user(self.flask_app, environ, body)  # noqa: E731
+        request = Incoming(environ, method, path, query, headers, named, body, user)
+        operation = lifecycle.operation(request)
+        if operation is None:
+            return self.app(environ, start_response)  # no route matches: the router answers
+        outcome = reserve(lifecycle, key, request, operation)
         if isinstance(outcome, HttpResponse):
             return _answer(start_response, outcome)
         if isinstance(outcome, Unguarded):
             return self.app(environ, start_response)  # failing open
+        environ[ATTEMPT_ENVIRON_KEY] = outcome.attempt
+        if outcome.conn is not None:
+            environ[CONNECTION_ENVIRON_KEY] = outcome.conn
         return _execute(self.app, outcome, environ, start_response)
 
-    def _operation(self, environ: Environ, method: str, path: str) -> str:
-        chosen = self.operation(environ) if self.operation else None
-        if chosen is not None:
-            return chosen
-        template: str | None = None
-        if hasattr(self.routes, "url_map"):
-            template = flask_route_template(self.routes, environ)
-        elif callable(self.routes):
-            template = self.routes(environ)
-        return f"{method} {template if template is not None else path}"
+
+def idempotent_connection(environ: Environ) -> Any:
+    """The connection whose transaction carries this request's idempotency record (for
+    Flask: ``idempotent_connection(request.environ)``).
+
+    Raises:
+        ConfigurationError: the request is not guarded by a middleware with ``connection=``.
+    """
+    conn = environ.get(CONNECTION_ENVIRON_KEY)
+    if conn is None:
+        raise ConfigurationError(
+            "no idempotent connection for this request: guard it with"
+            " IdempotencyWSGIMiddleware(connection=...) and a guarded method"
+        )
+    return conn
+
+
+def current_attempt(environ: Environ) -> Attempt:
+    """This request's attempt: its scope (principal, operation, key) and fencing token.
+
+    Raises:
+        ConfigurationError: the request is not guarded by the middleware.
+    """
+    attempt = environ.get(ATTEMPT_ENVIRON_KEY)
+    if not isinstance(attempt, Attempt):
+        raise ConfigurationError("this request is not guarded by IdempotencyWSGIMiddleware")
+    return attempt
 
 
 def request_headers(environ: Environ) -> list[Header]:
@@ -229,21 +184,6 @@ def request_headers(environ: Environ) -> list[Header]:
             (field.replace("_", "-").lower().encode("latin-1"), str(value).encode("latin-1"))
         )
     return headers
-
-
-def flask_route_template(flask_app: Any, environ: Environ) -> str | None:
-    """The Flask (Werkzeug) rule a request matches (``/payments/<int:id>``), or None.
-
-    Duck-typed on ``url_map.bind_to_environ(environ).match(return_rule=True)``, so idempo
-    imports no framework. None (use the raw path) is always safe: more operations never
-    replay another endpoint's answer.
-    """
-    try:
-        rule, _ = flask_app.url_map.bind_to_environ(environ).match(return_rule=True)
-    except Exception:  # noqa: BLE001 - NotFound, MethodNotAllowed, a redirect: no template
-        return None
-    template = getattr(rule, "rule", None)
-    return template if isinstance(template, str) else None
 
 
 def flask_login_user(flask_app: Any, environ: Environ, body: bytes) -> str | None:
@@ -347,8 +287,10 @@ class _Capture:
         assert self.status is not None
         return int(self.status.split(None, 1)[0])
 
-    def header_bytes(self) -> list[Header]:
-        return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers]
+    def header_bytes(self) -> tuple[Header, ...]:
+        return tuple(
+            [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers]
+        )
 
     def send_start(self) -> None:
         assert self.status is not None
@@ -359,7 +301,8 @@ def _execute(
     app: WSGIApp, run: Run, environ: Environ, start_response: StartResponse
 ) -> Iterable[bytes]:
     capture = _Capture(run, start_response)
-    limit = run.guard.max_response_bytes
+    lifecycle = run.lifecycle
+    limit = lifecycle.settings.max_response_bytes
     try:
         result = app(environ, capture)
         iterator = iter(result)
@@ -385,9 +328,11 @@ def _execute(
         return capture.chunks
     body = b"".join(capture.chunks)
     if capture.size > limit:
-        run.unkept(capture.status_code, capture.size)
+        kept = run.settle(lifecycle.unkept(capture.status_code, capture.size))
     else:
-        run.kept(capture.status_code, capture.header_bytes(), body)
+        kept = run.settle(HttpResponse(capture.status_code, capture.header_bytes(), body))
+    if not kept:
+        return _answer(start_response, lifecycle.not_committed())
     # The first caller gets the app's own status line and headers, cookies included.
     start_response(capture.status, capture.headers)
     return [body]
@@ -427,7 +372,10 @@ class _Streaming:
             self._run.fail(exc)
             raise
         # One chunk behind, so the record settles before the client sees the end of it.
-        self._run.unkept(capture.status_code, capture.size)
+        if not self._run.settle(self._run.lifecycle.unkept(capture.status_code, capture.size)):
+            # Most of a response whose writes rolled back is out: end it broken, never
+            # whole, so the client cannot take it for an answer.
+            raise StoreUnavailableError("the writes behind this response did not commit")
         yield pending
 
     def close(self) -> None:

@@ -33,11 +33,8 @@ from ..errors import (
     UnserializableResultError,
 )
 from ..policy import Policy
-from ..stores._units import AsyncUnit as AsyncSqlUnit
-from ..stores._units import SyncUnit
-from ..stores.base import AsyncUnit, Unit
 from .keys import Scope
-from .ops import Release, Reserve, Settle
+from .ops import Discard, Release, Renew, Reserve, Settle, StoreOp
 from .record import Acquired, InProgress, Mismatch, Record, Replay, Status
 
 # How often a caller told to wait re-checks a key that is in progress, at most.
@@ -49,11 +46,6 @@ _POLL_SECONDS = 0.05
 class Execute:
     token: int
     recovery_point: str | None
-
-
-@dataclass(slots=True)
-class Discard:
-    pass
 
 
 @dataclass(slots=True)
@@ -197,13 +189,14 @@ def _reserve(
 ) -> Generator[Op, Any, Acquired | Replay]:
     wait = policy.wait
     elapsed = None if wait is None else _stopwatch(policy)
-    lock_timeout = None
+    # The policy's bound goes with every reservation: a store's own connection meets the
+    # row lock of a transactional holder too, and has no other way to learn it.
+    lock_timeout = policy.lock_timeout
     while True:
         if elapsed is not None and wait is not None:
             # Every wait counts against the caller's, row-lock waits included: a
             # reservation waits on a lock no longer than what is left.
-            left = max(wait - elapsed(), timedelta(0))
-            lock_timeout = left if left < policy.lock_timeout else None
+            lock_timeout = min(max(wait - elapsed(), timedelta(0)), policy.lock_timeout)
         reservation = yield Reserve(
             scope, fingerprint, policy.now(), policy.lease, policy.ttl, lock_timeout
         )
@@ -231,37 +224,90 @@ def _outcome(
     return Settle(scope, token, status, body, policy.now(), policy.ttl)
 
 
-def _invoke(unit: Any, op: Op) -> Any:
-    """Carry out one store operation: the verb's result, or an async unit's awaitable.
+# -- the drivers: how operations are carried out -------------------------------------
 
-    Shared by both drivers, and called inline rather than through a coroutine of its own;
-    isinstance tests, not a match on class patterns: this runs several times per call, and
-    either would cost more than the memory store's whole verb.
+
+class Performer(Protocol):
+    """What carries out operations: a unit (SQL, cached) that takes them as values, or
+    `Verbs` in front of a verb-shaped store. An async performer returns awaitables."""
+
+    def perform(self, op: StoreOp) -> Any: ...
+
+
+class Verbs:
+    """A verb-shaped store or unit (`Store`, `Unit`, a user's own) as a `Performer`: each
+    operation becomes the verb of its name. This is the one op→verb table; a unit that
+    takes operations itself has a ``perform`` of its own and needs none.
+
+    A reservation's ``lock_timeout`` goes no further: only a unit on the app's transaction
+    waits on another attempt's row lock, and idempo's take operations themselves. Anything
+    else (``renew`` for a renewal, ``migrate``) is the target's own attribute.
+
+    >>> class Store:  # any verb-shaped store
+    ...     def release(self, scope: Scope, token: int) -> str:
+    ...         return f"released {scope.key} under token {token}"
+    >>> Verbs(Store()).perform(Release(Scope("", "charge", "k1"), 7))
+    'released k1 under token 7'
     """
-    if isinstance(op, Reserve):
-        if op.lock_timeout is not None and isinstance(unit, _BOUNDS_LOCK_WAITS):
-            return unit.reserve(
-                op.scope,
-                op.fingerprint,
-                now=op.now,
-                lease=op.lease,
-                ttl=op.ttl,
-                lock_timeout=op.lock_timeout,
-            )
-        return unit.reserve(op.scope, op.fingerprint, now=op.now, lease=op.lease, ttl=op.ttl)
-    if isinstance(op, Settle):
-        verb = unit.complete if op.status == Status.COMPLETED else unit.fail
-        return verb(op.scope, op.token, op.response, now=op.now, ttl=op.ttl)
-    if isinstance(op, Release):
-        return unit.release(op.scope, op.token)
-    if isinstance(op, Discard):
-        return unit.discard()
-    raise AssertionError(f"the flow yielded {op!r}, which the driver cannot perform")
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def perform(self, op: StoreOp) -> Any:
+        # isinstance tests and no table of lambdas: this runs several times per call, and a
+        # frame more would cost about what the memory store's whole verb does.
+        target = self.target
+        if isinstance(op, Reserve):
+            return target.reserve(op.scope, op.fingerprint, now=op.now, lease=op.lease, ttl=op.ttl)
+        if isinstance(op, Settle):
+            verb = target.complete if op.status is Status.COMPLETED else target.fail
+            return verb(op.scope, op.token, op.response, now=op.now, ttl=op.ttl)
+        if isinstance(op, Discard):  # after every replay: before the rarer ones
+            return self.discard()
+        if isinstance(op, Release):
+            return target.release(op.scope, op.token)
+        if isinstance(op, Renew):
+            return target.renew(op.scope, op.token, now=op.now, lease=op.lease)
+        raise AssertionError(f"{op!r} is no store operation")
+
+    def discard(self) -> Any:
+        return self.target.discard()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "target":  # not set yet (copying): nothing to forward to
+            raise AttributeError(name)
+        return getattr(self.target, name)
 
 
-# The units that can bound one reservation's row-lock wait (SQL transactions on the app's
-# connection); the others never wait on a lock held by a transaction.
-_BOUNDS_LOCK_WAITS = (SyncUnit, AsyncSqlUnit)
+class StoreVerbs(Verbs):
+    """A store used directly: none of the work runs on it, so there is nothing to discard."""
+
+    __slots__ = ()
+
+    def discard(self) -> bool:
+        return False
+
+
+class AsyncStoreVerbs(Verbs):
+    """An async store used directly."""
+
+    __slots__ = ()
+
+    async def discard(self) -> bool:
+        return False
+
+
+def performer(target: Any, direct: type[Verbs] = Verbs) -> Performer:
+    """``target`` itself when it takes operations as values, else ``direct`` in front of it.
+
+    The capability is read from the class: a wrapper that forwards attributes to a store
+    (``__getattr__``) keeps its own verbs in the path.
+    """
+    if callable(getattr(type(target), "perform", None)):
+        return cast(Performer, target)
+    return direct(target)
 
 
 def _sleep(op: Sleep, policy: Policy) -> object:
@@ -284,12 +330,13 @@ async def _asleep(op: Sleep, policy: Policy) -> None:
 Flow = Generator[Op, Any, Record | None]
 
 
-def pump(flow: Flow, unit: Unit, policy: Policy, op: Op) -> Execute | Done:
+def pump(flow: Flow, unit: Performer, policy: Policy, op: Op) -> Execute | Done:
     """Perform operations until the flow asks for the work to run, or ends."""
+    perform = unit.perform
     try:
         while not isinstance(op, Execute):
             try:
-                result = _sleep(op, policy) if isinstance(op, Sleep) else _invoke(unit, op)
+                result = _sleep(op, policy) if isinstance(op, Sleep) else perform(op)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
                 op = flow.throw(exc)
             else:
@@ -303,6 +350,9 @@ def pump(flow: Flow, unit: Unit, policy: Policy, op: Op) -> Execute | Done:
 # under way when it was cancelled, then the release or settle that follows) before it gives
 # up on a hung store. The key then frees when its lease ends. Seconds.
 CLEANUP_TIMEOUT = 5.0
+# Then, how long the operation given up on may take to end once cancelled (a statement
+# cancelled on the server, a rollback), and once cancelled again. Seconds.
+WIND_DOWN_TIMEOUTS = (1.0, 0.25)
 
 _logger = logging.getLogger("idempo")
 
@@ -369,12 +419,12 @@ class _Cancellation:
             self.error = error
             self.deadline = asyncio.get_running_loop().time() + CLEANUP_TIMEOUT
 
-    async def perform(self, unit: AsyncUnit, policy: Policy, op: Op) -> Any:
+    async def perform(self, unit: Performer, policy: Policy, op: Op) -> Any:
         """Carry out one operation; a wait is never shielded (nothing is held meanwhile)."""
         if isinstance(op, Sleep):
             await _asleep(op, policy)
             return None
-        return await self.complete(_invoke(unit, op))
+        return await self.complete(unit.perform(op))  # type: ignore[arg-type] # never Execute
 
     async def complete(self, awaitable: Awaitable[Any]) -> Any:
         """The operation's result, however often the caller is cancelled meanwhile."""
@@ -393,22 +443,37 @@ class _Cancellation:
         return task.result()
 
     async def _outlast(self, task: asyncio.Future[Any]) -> None:
-        loop = task.get_loop()
         with _shielded():
-            while not task.done():
-                remaining = self.deadline - loop.time()
-                if remaining <= 0:
-                    _logger.warning(
-                        "idempo: the store did not answer within %s s of a cancellation;"
-                        " the key stays in progress until its lease ends",
-                        CLEANUP_TIMEOUT,
-                    )
-                    task.add_done_callback(_retrieve)
-                    task.cancel()
-                    raise _GaveUp
-                # Cancelled again: the first cancellation is the one delivered.
-                with suppress(asyncio.CancelledError):
-                    await asyncio.wait((task,), timeout=remaining)
+            if await _ended(task, self.deadline):
+                return
+            _logger.warning(
+                "idempo: the store did not answer within %s s of a cancellation;"
+                " the key stays in progress until its lease ends",
+                CLEANUP_TIMEOUT,
+            )
+            task.add_done_callback(_retrieve)
+            # The operation may run on the app's own connection: it is cancelled, and given
+            # a moment to leave that connection usable (psycopg cancels the statement on the
+            # server, then the unit rolls back). Cancelled again past that, a driver drops a
+            # connection it cannot vouch for (psycopg closes it; a pool replaces it).
+            for wind_down in WIND_DOWN_TIMEOUTS:
+                task.cancel()
+                if await _ended(task, task.get_loop().time() + wind_down):
+                    break
+            raise _GaveUp
+
+
+async def _ended(task: asyncio.Future[Any], deadline: float) -> bool:
+    """Whether ``task`` ended by ``deadline`` (the loop's time), however often the caller is
+    cancelled meanwhile: the first cancellation is the one delivered."""
+    loop = task.get_loop()
+    while not task.done():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return False
+        with suppress(asyncio.CancelledError):
+            await asyncio.wait((task,), timeout=remaining)
+    return True
 
 
 async def outlasting(awaitable: Awaitable[Any]) -> Any:
@@ -434,7 +499,7 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 async def apump(
     flow: Flow,
-    unit: AsyncUnit,
+    unit: Performer,
     policy: Policy,
     op: Op,
     *,

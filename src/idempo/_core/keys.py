@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import uuid
 from dataclasses import dataclass
 
@@ -103,3 +104,17 @@ class Scope:
     def of(cls, key: str, *, operation: str, principal: str = "") -> Scope:
         """Build a scope, validating the key."""
         return cls(principal, operation, validate_key(key))
+
+
+def evict_hint(scope: Scope) -> str:
+    """The command that evicts ``scope``'s record, for messages about a corrupt one.
+
+    >>> evict_hint(Scope("", "POST /pay", "k1"))
+    "idempo evict STORE-URL k1 --operation 'POST /pay' --principal ''"
+    """
+    options = (
+        f"--operation {shlex.quote(scope.operation)} --principal {shlex.quote(scope.principal)}"
+    )
+    if scope.key.startswith("-"):  # would read as an option: after "--" it cannot
+        return f"idempo evict STORE-URL {options} -- {shlex.quote(scope.key)}"
+    return f"idempo evict STORE-URL {shlex.quote(scope.key)} {options}"

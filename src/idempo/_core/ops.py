@@ -56,3 +56,12 @@ class Renew:
     token: int
     now: datetime | None
     lease: timedelta
+
+
+@dataclass(slots=True)
+class Discard:
+    """Throw the work's writes away (a rollback to the unit's savepoint); the result is True
+    when none of them can commit any more. A store used directly has nothing to discard."""
+
+
+StoreOp = Reserve | Settle | Release | Renew | Discard

@@ -16,13 +16,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Awaitable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import FencedError
+from .keys import Scope
 
-if TYPE_CHECKING:  # the guard starts renewals itself
-    from ..guard import AsyncAttempt, Attempt
+
+class Attempt(Protocol):
+    """What a renewal needs of the guard's attempt: its scope, and a fenced ``renew``
+    that marks the attempt lost when it is refused."""
+
+    @property
+    def scope(self) -> Scope: ...
+
+    def renew(self) -> None: ...
+
+
+class AsyncAttempt(Protocol):
+    """The asynchronous twin of `Attempt`."""
+
+    @property
+    def scope(self) -> Scope: ...
+
+    def renew(self) -> Awaitable[None]: ...
+
 
 # Renewals still in flight when they were stopped: asyncio keeps only weak references to
 # tasks, and these must finish (fenced out by then) rather than vanish.
@@ -176,5 +195,7 @@ class ThreadRenewal:
         self.stop()
 
 
-def _stopped_renewing(logger: logging.Logger, attempt: Attempt, exc: Exception) -> None:
+def _stopped_renewing(
+    logger: logging.Logger, attempt: Attempt | AsyncAttempt, exc: Exception
+) -> None:
     logger.warning("idempo: stopped renewing the lease of key %r: %s", attempt.scope.key, exc)

@@ -21,15 +21,11 @@ import time
 import uuid
 from collections.abc import Iterator
 
-try:
+from .._optional import optional_import
+
+with optional_import("the idempotent client needs httpx", extra="httpx"):
     import anyio
     import httpx
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from ..errors import ConfigurationError
-
-    raise ConfigurationError(
-        "the idempotent client needs httpx: pip install 'idempo[httpx]'"
-    ) from exc
 
 from ..errors import ConfigurationError
 from .retry import Answer, Error, RetryPolicy, Send, Wait, parse_retry_after, retry_flow

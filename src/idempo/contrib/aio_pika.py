@@ -36,17 +36,13 @@ from contextlib import asynccontextmanager, suppress
 from datetime import datetime
 from typing import Any
 
-from ..errors import ConfigurationError
+from .._optional import optional_import
 
-try:
+with optional_import("idempo.contrib.aio_pika needs aio-pika", extra="rabbitmq"):
     import aio_pika
     from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractQueue
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ConfigurationError(
-        "idempo.contrib.aio_pika needs aio-pika: pip install 'idempo[rabbitmq]'"
-    ) from exc
 
-from .._core.keys import validate_key
+from .. import validate_key
 from ..consumer import Action, AsyncConsumer, Delivery, Envelope, Outcome
 from ..policy import utcnow
 

@@ -8,64 +8,56 @@
         "idempo.contrib.django.IdempotencyMiddleware",   # after auth, if PRINCIPAL reads the user
     ]
 
-The middleware is the WSGI middleware's twin (`idempo.wsgi`): the same sync guard, codec,
-key parsing, fingerprint and problems (`idempo._http`, `idempo._sync_http`); only the
+The middleware is a thin adapter over the shared HTTP lifecycle (`idempo._http.lifecycle`),
+with the WSGI middleware's options, codec, key parsing, fingerprint and problems; only the
 translation between Django's request and response objects and idempo's is here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from django.conf import settings
+from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
-from .. import _http
-from .._http import DEFAULT_BODY_LIMIT, DEFAULT_FINGERPRINT_FIELDS, NO_RESOLVER, classify_status
-from .._sync_http import Run, SyncHttpGuard, Unguarded
-from ..errors import ConfigurationError
+from .._http.keys import KEY_HEADER, Header, headers_named
+from .._http.lifecycle import READ_HEADERS, Incoming, Lifecycle, Run, Unguarded, reserve
+from .._http.options import OPTION_NAMES, HttpSettings, ShowsOptions
+from .._http.response import HttpResponse as StoredResponse
+from .._http.routes import NO_ROUTE, NoRoute
+from ..errors import ConfigurationError, StoreUnavailableError
 from ..wsgi import request_headers
 
 __all__ = ["IdempotencyMiddleware", "route_template"]
 
-# IDEMPO setting -> (SyncHttpGuard option, default). The names are the WSGI middleware's
-# keyword options in upper case; docs/http.md lists them.
-_OPTIONS: dict[str, tuple[str, Any]] = {
-    "STORE": ("store", None),
-    "IDEMPOTENCY": ("idempotency", None),
-    "POLICY": ("policy", None),
-    "LEASE": ("lease", None),
-    "METHODS": ("methods", ("POST", "PATCH")),
-    "REQUIRE_KEY": ("require_key", True),
-    "ALLOW_ANONYMOUS": ("allow_anonymous", False),
-    "FINGERPRINT_FIELDS": ("fingerprint_fields", DEFAULT_FINGERPRINT_FIELDS),
-    "FINGERPRINT_HEADERS": ("fingerprint_headers", ()),
-    "MAX_REQUEST_BYTES": ("max_request_bytes", DEFAULT_BODY_LIMIT),
-    "MAX_RESPONSE_BYTES": ("max_response_bytes", DEFAULT_BODY_LIMIT),
-    "REPLAY_STATUS_200": ("replay_status_200", False),
-    "FAIL_OPEN": ("fail_open", False),
-    "CLASSIFY": ("classify", classify_status),
-    "MAX_RETRY_AFTER": ("max_retry_after", 5),
-    "STORE_RETRY_AFTER": ("store_retry_after", 5),
-}
+# The IDEMPO setting's keys are the middlewares' options (HttpOptions) in upper case.
+_OPTIONS = {name.upper(): name for name in OPTION_NAMES}
 # Callables that may be given as dotted paths ("myapp.idem.principal").
-_CALLABLES = ("PRINCIPAL", "OPERATION", "CLASSIFY")
+_CALLABLES = ("PRINCIPAL", "OPERATION", "CLASSIFY", "ROUTES")
 
 
-class IdempotencyMiddleware:
+class IdempotencyMiddleware(ShowsOptions):
     """Runs each guarded request once per ``(principal, operation, Idempotency-Key)`` and
     answers every duplicate with the first response, byte for byte.
 
-    Configured by the ``IDEMPO`` setting, a dict: ``STORE`` (a sync store or a store URL)
-    or ``IDEMPOTENCY`` (a shared `Idempotency`), and optionally ``POLICY``, ``LEASE``,
-    ``METHODS``, ``REQUIRE_KEY``, ``PRINCIPAL`` and ``OPERATION`` (callables taking the
-    request, or dotted paths to them), ``ALLOW_ANONYMOUS``, ``FINGERPRINT_FIELDS``,
-    ``FINGERPRINT_HEADERS``, ``MAX_REQUEST_BYTES``, ``MAX_RESPONSE_BYTES``,
-    ``REPLAY_STATUS_200``, ``FAIL_OPEN``, ``CLASSIFY``, ``MAX_RETRY_AFTER``,
-    ``STORE_RETRY_AFTER``: the `idempo.wsgi.IdempotencyWSGIMiddleware` options.
+    Configured by the ``IDEMPO`` setting, a dict whose keys are the WSGI middleware's
+    options (`idempo._http.options.HttpOptions`) in upper case: ``STORE`` (a sync store or a
+    store URL) or ``IDEMPOTENCY`` (a shared `Idempotency`), and optionally ``POLICY``,
+    ``LEASE``, ``METHODS``, ``REQUIRE_KEY``, ``PRINCIPAL``, ``OPERATION`` and ``ROUTES``
+    (callables taking the request, or dotted paths to them), ``ALLOW_ANONYMOUS``,
+    ``FINGERPRINT_FIELDS``, ``FINGERPRINT_HEADERS``, ``MAX_REQUEST_BYTES``,
+    ``MAX_RESPONSE_BYTES``, ``REPLAY_STATUS_200``, ``FAIL_OPEN``, ``CLASSIFY``,
+    ``MAX_RETRY_AFTER``, ``STORE_RETRY_AFTER``, ``CONNECTION`` and ``MODE``.
+
+    ``CONNECTION`` is a database alias (``"default"``): the view then runs inside
+    ``transaction.atomic(using=alias)`` and the record rides on that connection's
+    transaction, so the view's ORM writes and the stored response commit together, or not
+    at all. ``STORE`` must then name the same database (``idempo migrate`` it first).
 
     The operation defaults to ``"METHOD route"`` where the route is the URL pattern the path
     resolves to (``payments/<int:pk>``), the raw path when none does. The principal defaults
@@ -79,6 +71,7 @@ class IdempotencyMiddleware:
 
         IDEMPO = {
             "STORE": "postgresql://app@db/app",
+            "CONNECTION": "default",                                # optional: one commit
             "PRINCIPAL": lambda request: request.headers.get("X-Tenant"),  # None: 401
         }
     """
@@ -89,69 +82,80 @@ class IdempotencyMiddleware:
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
         self.get_response = get_response
         config: Mapping[str, Any] = getattr(settings, "IDEMPO", {})
-        unknown = set(config) - set(_OPTIONS) - set(_CALLABLES)
+        unknown = set(config) - set(_OPTIONS)
         if unknown:
             raise ConfigurationError(f"unknown IDEMPO settings: {sorted(unknown)}")
-        resolved = {
-            name: import_string(value) if name in _CALLABLES and isinstance(value, str) else value
+        options = {
+            _OPTIONS[name]: import_string(value)
+            if name in _CALLABLES and isinstance(value, str)
+            else value
             for name, value in config.items()
         }
-        options = {
-            option: resolved.get(name, default) for name, (option, default) in _OPTIONS.items()
-        }
-        self.guard = SyncHttpGuard(**options, owner=type(self).__name__)
-        self.idempotency = self.guard.idempotency
-        self.principal: Callable[[HttpRequest], str | None] | None = resolved.get("PRINCIPAL")
-        self.operation: Callable[[HttpRequest], str | None] | None = resolved.get("OPERATION")
+        alias = options.get("connection")
+        if alias is not None:
+            options["connection"] = _atomic(alias)
+        self.settings = HttpSettings(options, owner=type(self).__name__)
+        self.routes: Callable[[HttpRequest], Any] = options.get("routes") or _routed
+        self.lifecycle = Lifecycle(self.settings, self.routes)
+        self.idempotency = self.lifecycle.idempotency
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        guard = self.guard
+        lifecycle = self.lifecycle
         method = (request.method or "GET").upper()
-        if not guard.guards(method):
+        if method not in lifecycle.settings.methods:
             return self.get_response(request)
         headers = request_headers(request.META)
-        key = guard.key(headers)
-        if isinstance(key, Unguarded):
+        named = headers_named(headers, READ_HEADERS)
+        key = lifecycle.key(named.get(KEY_HEADER, []))
+        if key is None:
             return self.get_response(request)
-        if isinstance(key, _http.HttpResponse):
+        if isinstance(key, StoredResponse):
             return _to_django(key)
-        refusal = guard.check_length(headers)
-        if refusal is not None:
-            return _to_django(refusal)
+        if lifecycle.declared_too_large(named.get(b"content-length")):
+            return _to_django(lifecycle.too_large())
         # Django reads the body once and keeps it, so the view reads the same bytes; under
         # WSGI, a body without Content-Length (chunked) reads as empty, as it does in Django.
         body = request.body
-        if len(body) > guard.max_request_bytes:
-            return _to_django(guard.too_large())
-        http_request = _http.HttpRequest(
-            method=method,
-            path=request.path,
-            query=str(request.META.get("QUERY_STRING", "")).encode("latin-1"),
-            headers=headers,
-            body=body,
-        )
-        principal = guard.principal(
-            self.principal(request) if self.principal else NO_RESOLVER,
-            lambda: getattr(request, "user", None),
-            headers,
-        )
-        if isinstance(principal, _http.HttpResponse):
-            return _to_django(principal)
-        outcome = guard.reserve(
-            key, http_request, operation=self._operation(request, method), principal=principal
-        )
-        if isinstance(outcome, _http.HttpResponse):
+        if len(body) > lifecycle.settings.max_request_bytes:
+            return _to_django(lifecycle.too_large())
+        query = str(request.META.get("QUERY_STRING", "")).encode("latin-1")
+        user = lambda: getattr(request, "user", None)  # noqa: E731
+        incoming = Incoming(request, method, request.path, query, headers, named, body, user)
+        operation = lifecycle.operation(incoming)
+        if operation is None:
+            return self.get_response(request)  # no URL pattern matches: Django answers 404
+        outcome = reserve(lifecycle, key, incoming, operation)
+        if isinstance(outcome, StoredResponse):
             return _to_django(outcome)
         if isinstance(outcome, Unguarded):
             return self.get_response(request)  # failing open
         return _execute(self.get_response, outcome, request)
 
-    def _operation(self, request: HttpRequest, method: str) -> str:
-        chosen = self.operation(request) if self.operation else None
-        if chosen is not None:
-            return chosen
-        template = route_template(request)
-        return f"{method} {template if template is not None else request.path}"
+
+def _atomic(alias: Any) -> Callable[[], Any]:
+    """``CONNECTION``'s factory: Django's own ``transaction.atomic`` on ``alias``, yielding
+    the driver connection beneath it for the store to write the record on."""
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
+        raise ConfigurationError(f"IDEMPO CONNECTION must name a database alias, not {alias!r}")
+
+    @contextmanager
+    def atomic() -> Iterator[Any]:
+        with transaction.atomic(using=alias):
+            wrapper = connections[alias]
+            wrapper.ensure_connection()
+            yield wrapper.connection
+
+    return atomic
+
+
+def _routed(request: HttpRequest) -> str | NoRoute | None:
+    """The default hook: `route_template`, `NO_ROUTE` when no URL pattern matches."""
+    try:
+        match = resolve(request.path_info, getattr(request, "urlconf", None))
+    except Resolver404:
+        return NO_ROUTE
+    route = getattr(match, "route", None)
+    return route if isinstance(route, str) and route else None
 
 
 def route_template(request: HttpRequest) -> str | None:
@@ -161,12 +165,8 @@ def route_template(request: HttpRequest) -> str | None:
     the request's own urlconf. None (use the raw path) is always safe: more operations never
     replay another endpoint's answer.
     """
-    try:
-        match = resolve(request.path_info, getattr(request, "urlconf", None))
-    except Resolver404:
-        return None
-    route = getattr(match, "route", None)
-    return route if isinstance(route, str) and route else None
+    found = _routed(request)
+    return None if found is NO_ROUTE else found
 
 
 def _execute(
@@ -180,12 +180,13 @@ def _execute(
     if response.streaming:
         return _stream(run, response)
     content = bytes(getattr(response, "content", b""))
-    if len(content) > run.guard.max_response_bytes:
-        run.unkept(response.status_code, len(content))
+    lifecycle = run.lifecycle
+    if len(content) > lifecycle.settings.max_response_bytes:
+        kept = run.settle(lifecycle.unkept(response.status_code, len(content)))
     else:
-        run.kept(response.status_code, _headers(response), content)
+        kept = run.settle(StoredResponse(response.status_code, _headers(response), content))
     # The first caller gets the view's own response object, cookies included.
-    return response
+    return response if kept else _to_django(lifecycle.not_committed())
 
 
 def _stream(run: Run, response: HttpResponseBase) -> HttpResponseBase:
@@ -193,18 +194,19 @@ def _stream(run: Run, response: HttpResponseBase) -> HttpResponseBase:
     chunks: Iterator[bytes] = iter(response.streaming_content)
     held: list[bytes] = []
     size = 0
-    limit = run.guard.max_response_bytes
+    lifecycle = run.lifecycle
     try:
         for chunk in chunks:
             held.append(bytes(chunk))
             size += len(chunk)
-            if size > limit:
+            if size > lifecycle.settings.max_response_bytes:
                 response.streaming_content = _rest(run, response, held, size, chunks)
                 return response
     except BaseException as exc:
         run.fail(exc)
         raise
-    run.kept(response.status_code, _headers(response), b"".join(held))
+    if not run.settle(StoredResponse(response.status_code, _headers(response), b"".join(held))):
+        return _to_django(lifecycle.not_committed())
     response.streaming_content = held
     return response
 
@@ -219,7 +221,9 @@ def _rest(
             pending = bytes(chunk)
             size += len(pending)
         # One chunk behind, so the record settles before the client sees the end of it.
-        run.unkept(response.status_code, size)
+        if not run.settle(run.lifecycle.unkept(response.status_code, size)):
+            # The writes behind it rolled back: end it broken, never whole.
+            raise StoreUnavailableError("the writes behind this response did not commit")
         yield pending
     except Exception as exc:
         run.fail(exc)
@@ -230,11 +234,13 @@ def _rest(
         run.settle(None)
 
 
-def _headers(response: HttpResponseBase) -> list[_http.Header]:
-    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in response.items()]
+def _headers(response: HttpResponseBase) -> tuple[Header, ...]:
+    return tuple(
+        [(name.encode("latin-1"), value.encode("latin-1")) for name, value in response.items()]
+    )
 
 
-def _to_django(response: _http.HttpResponse) -> HttpResponse:
+def _to_django(response: StoredResponse) -> HttpResponse:
     django_response = HttpResponse(response.body, status=response.status)
     # The stored headers are the whole set: drop the default Content-Type Django adds.
     del django_response["Content-Type"]

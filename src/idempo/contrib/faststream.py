@@ -53,17 +53,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from .._optional import optional_import
 from ..errors import ConfigurationError
 
-try:
+with optional_import("idempo.contrib.faststream needs FastStream", extra="faststream"):
     from faststream import BaseMiddleware
     from faststream.exceptions import SkipMessage
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ConfigurationError(
-        "idempo.contrib.faststream needs FastStream: pip install 'idempo[faststream]'"
-    ) from exc
 
-from .._core.keys import derive_key, validate_key
+from .. import derive_key, validate_key
 from ..consumer import Action, AsyncConsumer, Delivery, Envelope, Outcome, Reason
 from ..policy import utcnow
 

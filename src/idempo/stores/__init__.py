@@ -13,16 +13,21 @@ Any URL takes ``cache=N`` (``redis://host/0?cache=10000``): the store behind a l
 up to N settled records (`idempo.stores.cache.CachedStore`); ``cache=0`` means none.
 PostgreSQL, MariaDB and Redis URLs take ``connect_timeout`` (seconds, default 5): a server that
 is down, refuses or does not answer fails a call within it, and the error says why.
+
+Stores plug in by URL scheme: `register` in code, or an ``idempo.stores`` entry point in a
+distribution, naming a `StoreKind` (docs/extending.md). idempo's own stores come the same way.
 """
 
 from __future__ import annotations
 
-import importlib
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from .._core import record
+from .._reexport import publish
 from ..errors import ConfigurationError, SchemaMissingError, StoreUnavailableError
+from ._registry import StoreKind, find, known_schemes, register
 from .base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
 
 __all__ = [
@@ -30,34 +35,20 @@ __all__ = [
     "AsyncTransactionalStore",
     "Mode",
     "Store",
+    "StoreKind",
     "TransactionalStore",
+    "known_schemes",
     "open_async_store",
     "open_store",
+    "register",
 ]
 
-# scheme -> (sync class, async class, extra that brings its driver)
-_SCHEMES: dict[str, tuple[str, str, str | None]] = {
-    "memory": ("idempo.stores.memory:MemoryStore", "idempo.stores.memory:AsyncMemoryStore", None),
-    "sqlite": ("idempo.stores.sqlite:SQLiteStore", "idempo.stores.sqlite:AsyncSQLiteStore", None),
-    "postgresql": (
-        "idempo.stores.postgres:PostgresStore",
-        "idempo.stores.postgres:AsyncPostgresStore",
-        "postgres",
-    ),
-}
-_SCHEMES["postgres"] = _SCHEMES["postgresql"]
-_SCHEMES["redis"] = (
-    "idempo.stores.redis:RedisStore",
-    "idempo.stores.redis:AsyncRedisStore",
-    "redis",
-)
-_SCHEMES["rediss"] = _SCHEMES["redis"]
-_SCHEMES["mysql"] = (
-    "idempo.stores.mysql:MySQLStore",
-    "idempo.stores.mysql:AsyncMySQLStore",
-    "mysql",
-)
-_SCHEMES["mariadb"] = _SCHEMES["mysql"]
+publish(__name__, StoreKind, known_schemes, register)
+# The answers a store gives, defined in the call protocol's core: their public home is the
+# SPI (named here, where `import idempo` always passes, so they say so before spi is imported).
+_answers = (record.Acquired, record.InProgress, record.Mismatch, record.Replay, record.judge)
+publish(f"{__name__}.spi", *_answers)
+del publish, record, _answers
 
 
 DEFAULT_CONNECT_TIMEOUT = timedelta(seconds=5)
@@ -90,52 +81,7 @@ def cannot_connect(db: str, where: str, reason: str) -> StoreUnavailableError:
     return StoreUnavailableError(f"cannot connect to {db} at {where}: {reason}")
 
 
-def _load(path: str, extra: str | None) -> Any:
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        hint = f": pip install 'idempo[{extra}]'" if extra else ""
-        raise ConfigurationError(f"cannot load {module_name}{hint}") from exc
-    return getattr(module, attr)
-
-
-def _parse(url: str, which: int) -> tuple[Any, list[Any], dict[str, Any]]:
-    parts = urlsplit(url)
-    scheme = parts.scheme.split("+", 1)[0]
-    if scheme not in _SCHEMES:
-        known = ", ".join(sorted(_SCHEMES))
-        raise ConfigurationError(f"unknown store URL scheme {parts.scheme!r}; known: {known}")
-    sync_path, async_path, extra = _SCHEMES[scheme]
-    cls = _load(async_path if which else sync_path, extra)
-    query = dict(parse_qsl(parts.query))
-    options: dict[str, Any] = {}
-    if "table" in query:
-        options["table"] = query.pop("table")
-    if scheme == "memory":
-        return cls, [], options
-    if scheme == "sqlite":
-        # sqlite:///relative.db -> "relative.db"; sqlite:////abs.db -> "/abs.db"
-        path = parts.path[1:] if parts.path.startswith("/") else parts.path
-        if not path:
-            raise ConfigurationError("a sqlite URL needs a file path: sqlite:///app.db")
-        return cls, [path], options
-    if scheme in ("redis", "rediss"):
-        if "prefix" in query:
-            options["prefix"] = query.pop("prefix")
-        # The whole scheme: the store tells redis+cluster:// (and refuses other suffixes).
-        rest = urlunsplit(
-            (parts.scheme, parts.netloc, parts.path, urlencode(query), parts.fragment)
-        )
-        return cls, [rest], options
-    if scheme in ("mysql", "mariadb"):
-        rest = urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
-        return cls, [rest], options
-    rest = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode(query), parts.fragment))
-    return cls, [rest], options
-
-
-def open_store(url: str, *, read_only: bool = False, create: bool = True, **options: Any) -> Any:
+def open_store(url: str, *, read_only: bool = False, create: bool = True, **options: Any) -> Store:
     """A synchronous store for ``url``; keyword options go to the store's constructor.
 
     Args:
@@ -143,39 +89,47 @@ def open_store(url: str, *, read_only: bool = False, create: bool = True, **opti
             read-only and never created. Other stores create nothing by reading.
         create: False: a SQLite file must already exist (it is not created empty).
 
+    The answer is typed as the `Store` protocol, whatever the scheme; the class itself
+    (``SQLiteStore(path)``, ``PostgresStore(url)``) is typed as itself, ``migrate`` and
+    ``bind`` included.
+
     >>> open_store("memory://")  # doctest: +ELLIPSIS
     <idempo.stores.memory.MemoryStore object at ...>
     """
-    return _open(url, 0, _access(url, read_only, create, options))
+    store: Store = _open(url, False, read_only, create, options)
+    return store
 
 
 def open_async_store(
     url: str, *, read_only: bool = False, create: bool = True, **options: Any
-) -> Any:
-    """An asynchronous store for ``url`` (the same URLs and arguments as `open_store`)."""
-    return _open(url, 1, _access(url, read_only, create, options))
+) -> AsyncStore:
+    """An asynchronous store for ``url`` (the same URLs and arguments as `open_store`).
+
+    >>> open_async_store("memory://")  # doctest: +ELLIPSIS
+    <idempo.stores.memory.AsyncMemoryStore object at ...>
+    """
+    store: AsyncStore = _open(url, True, read_only, create, options)
+    return store
 
 
-def _access(url: str, read_only: bool, create: bool, options: dict[str, Any]) -> dict[str, Any]:
-    """The constructor options that say how a store's file may be opened: only SQLite has
-    one (on a server, a read creates nothing and the database is there or not)."""
-    if urlsplit(url).scheme == "sqlite" and (read_only or not create):
-        return {"read_only": read_only, "create": create and not read_only, **options}
-    return options
-
-
-def _open(url: str, which: int, options: dict[str, Any]) -> Any:
+def _open(url: str, is_async: bool, read_only: bool, create: bool, options: dict[str, Any]) -> Any:
     url, cache = _cache_size(url)
-    cls, args, url_options = _parse(url, which)
+    scheme = urlsplit(url).scheme
+    kind = find(scheme)
+    factory = kind.factory(scheme, is_async=is_async)
+    if kind.access_options and (read_only or not create):
+        # How a store's file may be opened; on a server a read creates nothing, and the
+        # database is there or not, so other stores are not asked.
+        options = {"read_only": read_only, "create": create and not read_only, **options}
     try:
-        store = cls(*args, **{**url_options, **options})
+        store = factory(url, **options)
     except ValueError as exc:  # a driver's URL parser on a bad port, number or option
-        raise ConfigurationError(f"bad {urlsplit(url).scheme} URL: {exc}") from exc
+        raise ConfigurationError(f"bad {scheme} URL: {exc}") from exc
     if not cache:
         return store
     from . import cache as cached  # noqa: PLC0415 - only URLs that ask for it pay the import
 
-    return (cached.AsyncCachedStore if which else cached.CachedStore)(store, max_entries=cache)
+    return (cached.AsyncCachedStore if is_async else cached.CachedStore)(store, max_entries=cache)
 
 
 def _cache_size(url: str) -> tuple[str, int]:

@@ -43,9 +43,8 @@ writes and the fenced completion commit together at the end.
 """
 
 
-@runtime_checkable
-class Store(Protocol):
-    """**Protocol:** a synchronous store of idempotency records."""
+class _Verbs(Protocol):
+    """The verbs a store and a unit share: what a guarded call does to its record."""
 
     def reserve(
         self,
@@ -79,6 +78,11 @@ class Store(Protocol):
         """Extend the lease to ``now + lease``. Raises `FencedError` if ``token`` is stale."""
         ...
 
+
+@runtime_checkable
+class Store(_Verbs, Protocol):
+    """**Protocol:** a synchronous store of idempotency records."""
+
     def get(self, scope: Scope) -> Record | None:
         """The record as stored, expired or not."""
         ...
@@ -103,9 +107,8 @@ class Store(Protocol):
         ...
 
 
-@runtime_checkable
-class AsyncStore(Protocol):
-    """**Protocol:** the asynchronous twin of `Store`: same verbs, awaited, plus ``aclose``."""
+class _AsyncVerbs(Protocol):
+    """The asynchronous face of `_Verbs`."""
 
     async def reserve(
         self,
@@ -130,6 +133,11 @@ class AsyncStore(Protocol):
     async def renew(
         self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
     ) -> None: ...
+
+
+@runtime_checkable
+class AsyncStore(_AsyncVerbs, Protocol):
+    """**Protocol:** the asynchronous twin of `Store`: same verbs, awaited, plus ``aclose``."""
 
     async def get(self, scope: Scope) -> Record | None: ...
 
@@ -142,7 +150,7 @@ class AsyncStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-class Unit(Protocol):
+class Unit(_Verbs, Protocol):
     """**Protocol:** one guarded call's view of a store, possibly inside the app's transaction.
 
     The verbs are the store's; ``discard`` throws away the work's own writes (a rollback to
@@ -152,59 +160,11 @@ class Unit(Protocol):
     than released.
     """
 
-    def reserve(
-        self,
-        scope: Scope,
-        fingerprint: str,
-        *,
-        now: datetime | None,
-        lease: timedelta,
-        ttl: timedelta,
-    ) -> Reservation: ...
-
-    def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
-    ) -> None: ...
-
-    def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
-    ) -> None: ...
-
-    def release(self, scope: Scope, token: int) -> None: ...
-
-    def renew(
-        self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
-    ) -> None: ...
-
     def discard(self) -> bool: ...
 
 
-class AsyncUnit(Protocol):
+class AsyncUnit(_AsyncVerbs, Protocol):
     """**Protocol:** the asynchronous twin of `Unit`."""
-
-    async def reserve(
-        self,
-        scope: Scope,
-        fingerprint: str,
-        *,
-        now: datetime | None,
-        lease: timedelta,
-        ttl: timedelta,
-    ) -> Reservation: ...
-
-    async def complete(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
-    ) -> None: ...
-
-    async def fail(
-        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
-    ) -> None: ...
-
-    async def release(self, scope: Scope, token: int) -> None: ...
-
-    async def renew(
-        self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
-    ) -> None: ...
 
     async def discard(self) -> bool: ...
 

@@ -31,20 +31,19 @@ responses) is reached. One lock guards the records; it is never held across stor
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Generator
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
+from .._core.flow import performer
 from .._core.keys import Scope
-from .._core.ops import Release, Renew, Reserve, Settle
+from .._core.ops import Discard, Release, Renew, Reserve, Settle, StoreOp
 from .._core.record import InProgress, Mismatch, Record, Replay, Reservation, Status, judge
 from ..errors import ConfigurationError
 from . import _clock
-from ._sql import adrive, drive
-from ._units import AsyncUnit, SyncUnit, UnitLogic
+from ._sql.transaction import AsyncUnit, SyncUnit, UnitLogic, adrive, drive
 from .base import AsyncStore, AsyncTransactionalStore, Store, TransactionalStore
 
 __all__ = ["AsyncCachedStore", "CachedStore", "LocalCache"]
@@ -54,12 +53,6 @@ T = TypeVar("T")
 DEFAULT_MAX_ENTRIES = 10_000
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Discard:
-    """Throw away the work's writes (a bound unit's verb; stores have none)."""
-
-
-StoreOp = Reserve | Settle | Release | Renew | _Discard
 OpGen = Generator[StoreOp, Any, T]
 
 
@@ -220,7 +213,7 @@ class _Logic:
     def renew(self, op: Renew) -> OpGen[None]:
         yield op
 
-    def discard(self) -> OpGen[None]:
+    def discard(self, op: Discard) -> OpGen[None]:
         return
         yield  # nothing of the work runs on the store's own connections
 
@@ -240,41 +233,19 @@ class _BoundLogic(_Logic):
     def answered(self) -> None:
         self._answered = True
 
-    def discard(self) -> OpGen[None]:
+    def discard(self, op: Discard) -> OpGen[None]:
         if not self._answered:  # after a cached answer there is no transaction to end
-            yield _Discard()
-
-
-# How each operation calls the wrapped store's (or unit's) verb; the async face awaits the
-# result. A lookup by type: a match statement's class patterns cost more on this hot path.
-_VERBS: dict[type, Callable[[Any, Any], Any]] = {
-    Reserve: lambda target, op: target.reserve(
-        op.scope, op.fingerprint, now=op.now, lease=op.lease, ttl=op.ttl
-    ),
-    Settle: lambda target, op: (target.complete if op.status is Status.COMPLETED else target.fail)(
-        op.scope, op.token, op.response, now=op.now, ttl=op.ttl
-    ),
-    Release: lambda target, op: target.release(op.scope, op.token),
-    Renew: lambda target, op: target.renew(op.scope, op.token, now=op.now, lease=op.lease),
-    _Discard: lambda target, op: target.discard(),
-}
-
-
-def _caller(target: Any) -> Callable[[StoreOp], Any]:
-    def call(op: StoreOp) -> Any:
-        return _VERBS[type(op)](target, op)
-
-    return call
+            yield op
 
 
 def _runner(target: Any) -> Callable[[Generator[Any, Any, Any]], Any]:
-    call = _caller(target)
-    return lambda gen: drive(gen, call)
+    perform = performer(target).perform
+    return lambda gen: drive(gen, perform)
 
 
 def _async_runner(target: Any) -> Callable[[Generator[Any, Any, Any]], Awaitable[Any]]:
-    call = _caller(target)
-    return lambda gen: adrive(gen, call)
+    perform = performer(target).perform
+    return lambda gen: adrive(gen, perform)
 
 
 def _logic(logic: _Logic) -> UnitLogic:
@@ -321,6 +292,8 @@ class CachedStore(_Wrapper, SyncUnit):
 
     .. versionadded:: 0.1
     """
+
+    discards = False  # used directly: the work runs on none of the store's connections
 
     def __new__(cls, store: Store, **options: Any) -> CachedStore:
         # Only a store that can join the app's transaction gets a bind, so capability checks
@@ -382,6 +355,8 @@ class AsyncCachedStore(_Wrapper, AsyncUnit):
 
     .. versionadded:: 0.1
     """
+
+    discards = False
 
     def __new__(cls, store: AsyncStore, **options: Any) -> AsyncCachedStore:
         binds = cls is AsyncCachedStore and isinstance(store, AsyncTransactionalStore)

@@ -17,36 +17,36 @@ Needs MariaDB 10.5 or later; MySQL 8 lacks ``INSERT ... RETURNING`` and is refus
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-try:
+from .._optional import optional_import
+
+with optional_import("the MariaDB/MySQL store needs PyMySQL and aiomysql", extra="mysql"):
     import aiomysql
     import pymysql
     from pymysql.constants import CLIENT, SERVER_STATUS
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from ..errors import ConfigurationError
-
-    raise ConfigurationError(
-        "the MariaDB/MySQL store needs PyMySQL and aiomysql: pip install 'idempo[mysql]'"
-    ) from exc
 
 from ..errors import ConfigurationError, IdempotencyError, StoreError, StoreUnavailableError
 from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
-from ._mysql import ROW_COUNT, MySQLDialect, lock_wait_seconds
-from ._sql import Statement, adrive, drive, pyformat
-from ._units import (
+from ._sql.binding import sqlalchemy_connection
+from ._sql.dialect import Statement, pyformat
+from ._sql.mysql import ROW_COUNT, MySQLDialect, lock_wait_seconds
+from ._sql.transaction import (
     SAVEPOINT,
     AsyncSqlStore,
     AsyncUnit,
     Begin,
+    Bound,
+    Call,
     Check,
     Commit,
     LockTimeoutError,
@@ -54,14 +54,23 @@ from ._units import (
     OnStore,
     Rollback,
     SqlStore,
+    StoreLogic,
     SyncUnit,
     TransactionConflict,
     TransactionEnded,
     TxGen,
     Undo,
     UnitLogic,
+    acall,
+    adrive,
+    aexecute,
+    call,
+    drive,
+    execute,
+    mapped,
     unit_logic,
 )
+from ._watchdog import Watchdog
 from .base import Mode
 
 __all__ = ["AsyncMySQLStore", "MySQLStore", "connect_options"]
@@ -73,6 +82,12 @@ DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
 # A pooled connection idle this long is pinged before use: the server may have dropped it.
 IDLE_CHECK_SECONDS = 30.0
 POOL_TIMEOUT_SECONDS = 30.0
+# The lock wait of the store's own sessions (innodb_lock_wait_timeout), seconds.
+_SESSION_WAIT = lock_wait_seconds(DEFAULT_LOCK_TIMEOUT)
+# Attributes the store sets on its own connections: the read timeout past the lock wait,
+# and the lock wait its statements now carry (SET STATEMENT), seconds.
+_READ_TIMEOUT = "_idempo_read_timeout"
+LOCK_WAIT_SET = "_idempo_lock_wait"
 
 _pyformat = lru_cache(maxsize=256)(pyformat)
 
@@ -173,7 +188,7 @@ def connect_options(url: str) -> dict[str, Any]:
     """PyMySQL/aiomysql ``connect`` arguments for a ``mysql://`` or ``mariadb://`` URL.
 
     ``mysql://user:password@host:port/database?unix_socket=/run/mysqld/mysqld.sock``; the
-    query may also set ``connect_timeout`` (seconds).
+    query may also set ``connect_timeout`` and ``read_timeout`` (seconds).
 
     >>> connect_options("mariadb://app:s%40cret@db:3307/shop")["password"]
     's@cret'
@@ -196,19 +211,24 @@ def connect_options(url: str) -> dict[str, Any]:
     for name, value in parse_qsl(parts.query):
         if name == "unix_socket":
             options["unix_socket"] = value
-        elif name == "connect_timeout":
-            options["connect_timeout"] = seconds(value)
+        elif name in ("connect_timeout", "read_timeout"):
+            options[name] = seconds(value)
         else:
             raise ConfigurationError(f"unknown MySQL URL option {name!r}")
     return options
 
 
 def _options(
-    url: str, connect_args: Mapping[str, Any] | None, connect_timeout: timedelta | float | None
+    url: str,
+    connect_args: Mapping[str, Any] | None,
+    connect_timeout: timedelta | float | None,
+    read_timeout: timedelta | float | None = None,
 ) -> dict[str, Any]:
     """How the store's own connections are set up: autocommit (each verb commits by itself),
     matched-row counts (a renewal that changes nothing is not "stale"), the lock wait, the
-    connect timeout (the argument, else the URL's, else 5 s)."""
+    connect timeout (the argument, else the URL's, else 5 s) and the read timeout, how long
+    the server may take to answer beyond a statement's lock wait (the argument, else the
+    URL's or ``connect_args``'s, else the connect timeout)."""
     wait = lock_wait_seconds(DEFAULT_LOCK_TIMEOUT)
     options = {
         **connect_options(url),
@@ -221,7 +241,37 @@ def _options(
     if connect_timeout is not None:
         options["connect_timeout"] = seconds(connect_timeout)
     options.setdefault("connect_timeout", DEFAULT_CONNECT_TIMEOUT.total_seconds())
+    if read_timeout is not None:
+        options["read_timeout"] = seconds(read_timeout)
+    options.setdefault("read_timeout", options["connect_timeout"])
     return options
+
+
+def _lock_wait(conn: Any) -> float:
+    """How long a statement on one of the store's connections may wait on a row lock:
+    what the store set for its reservation on it, else the session's, seconds."""
+    return float(getattr(conn, LOCK_WAIT_SET, _SESSION_WAIT))
+
+
+def _read_timeout(options: Mapping[str, Any]) -> timedelta | None:
+    """The read timeout in force (None: the app's ``connect_args`` turned it off)."""
+    value = options["read_timeout"]
+    return None if value is None else timedelta(seconds=value)
+
+
+def bound_reads(conn: Any, lock_wait: int) -> None:
+    """Give a PyMySQL connection's reads the read timeout past ``lock_wait`` seconds, the
+    lock wait of the statements it now sends (the store's own connections only)."""
+    read_timeout = getattr(conn, _READ_TIMEOUT, None)
+    if read_timeout is not None:
+        # PyMySQL has no public setter; it applies these before its next read and write
+        # (the same value for both, so it never switches the socket's timeout between them).
+        conn._read_timeout = conn._write_timeout = read_timeout + lock_wait
+    setattr(conn, LOCK_WAIT_SET, lock_wait)
+
+
+def _aiomysql_socket(conn: Any) -> int:
+    return int(conn._writer.transport.get_extra_info("socket").fileno())
 
 
 def _where(options: Mapping[str, Any]) -> str:
@@ -233,21 +283,19 @@ def _where(options: Mapping[str, Any]) -> str:
 
 
 def _connect(options: Mapping[str, Any]) -> pymysql.connections.Connection[Any]:
-    """A PyMySQL connection, the whole login bounded by the connect timeout: PyMySQL's own
+    """A PyMySQL connection, the whole login bounded by the connect timeout (PyMySQL's own
     bounds only the TCP connect, so a server that accepts and then says nothing would hold
-    the call for ever."""
+    the call for ever), then every read by the read timeout: a server that stops answering
+    (frozen, partitioned away) fails the call, and PyMySQL closes the connection."""
     timeout = options["connect_timeout"]
-    read_timeout = options.get("read_timeout")
     try:
         conn: pymysql.connections.Connection[Any] = pymysql.connect(
-            **{**options, "read_timeout": read_timeout or timeout}
+            **{**options, "read_timeout": timeout, "write_timeout": timeout}
         )
     except (pymysql.err.Error, OSError) as exc:
         raise cannot_connect("MariaDB", _where(options), _reason(exc, timeout)) from exc
-    if read_timeout is None:
-        # Logged in: statements may take as long as they need again (a lock wait may).
-        # PyMySQL has no public setter; it applies this before its next read.
-        conn._read_timeout = None  # type: ignore[attr-defined]
+    setattr(conn, _READ_TIMEOUT, options["read_timeout"])
+    bound_reads(conn, _SESSION_WAIT)
     return conn
 
 
@@ -263,18 +311,19 @@ _NO_SUCH_SAVEPOINT = 1305
 _SAVEPOINT_SQL = f"SAVEPOINT {SAVEPOINT}"
 
 
-@contextmanager
-def _translated(app: bool) -> Iterator[None]:
-    """What the driver's errors mean to the transaction's logic (inside `mapped_errors`)."""
-    try:
-        yield
-    except pymysql.err.Error as exc:
+def _error(exc: BaseException, app: bool) -> BaseException:
+    """What a failure means to the transaction's logic: the app's conflict, the end of the
+    guard's transaction, or the store's error (the driver's error its cause); idempo's own
+    as it is. Applied once, where a failure leaves the executor."""
+    if isinstance(exc, pymysql.err.Error):
         code = _code(exc)
         if code == _NO_SUCH_SAVEPOINT:
-            raise TransactionEnded(str(exc)) from exc
+            return mapped(exc, TransactionEnded(str(exc)))
         if app and code in _CONFLICTS:
-            raise TransactionConflict(exc) from exc
-        raise
+            return mapped(exc, TransactionConflict(exc))
+    if isinstance(exc, pymysql.err.Error | OSError):
+        return mapped(exc, map_error(exc))
+    return exc
 
 
 def _to_mark(conn: Any, verb: str) -> str:
@@ -285,61 +334,81 @@ def _to_mark(conn: Any, verb: str) -> str:
     return f"{verb} SAVEPOINT {SAVEPOINT}"
 
 
-class _PyMySQLTx:
-    """Runs transaction operations on one PyMySQL connection. ``app``: the app's connection
+class _MySQLTx:
+    """What the PyMySQL and aiomysql executors share: the calls that carry out each
+    operation, sans I/O (`steps`), and what a failure means. ``app``: the app's connection
     (a guarded call), whose serialization failures and deadlocks its caller gets raw."""
 
-    def __init__(
-        self, conn: pymysql.connections.Connection[Any], on_store: Any, *, app: bool = False
-    ) -> None:
+    pending: list[Any] = []  # noqa: RUF012 - statements go at once: never any queued
+
+    def __init__(self, conn: Any, on_store: Any, *, app: bool = False) -> None:
         self._conn = conn
         self._on_store = on_store
         self._app = app
         self._count = 0
         self._marked = False
 
-    def run(self, gen: TxGen[T]) -> T:
-        with mapped_errors():
-            return drive(gen, self._do)
+    def error(self, exc: BaseException) -> BaseException:
+        return _error(exc, self._app)
 
-    def _execute(self, sql: str, params: Any = None, *, fetch: bool = False) -> Any:
+    def flush(self) -> None:
+        return None
+
+    def _execute(self, sql: str, params: Any = None, fetch: bool = False) -> Any:
+        raise NotImplementedError
+
+    def steps(self, op: Any) -> Generator[Call, Any, Any]:
+        """The driver calls that carry out ``op``: each yielded, made by the face (awaited
+        by the async one), and its result sent back."""
+        conn = self._conn
+        if isinstance(op, Statement):
+            if op.sql == ROW_COUNT:
+                # The driver read it from the last statement's OK packet.
+                return [(self._count,)]
+            return (yield self._execute, (_pyformat(op.sql), op.params, op.fetch))
+        if isinstance(op, Begin):
+            began = not _in_transaction(conn)
+            # With autocommit off a reservation's statement starts the transaction; without
+            # one (leased mode) the savepoint would not: MariaDB ignores it outside one.
+            if began and (conn.get_autocommit() or not op.reserves):
+                yield conn.begin, ()
+            return began
+        if isinstance(op, Mark):
+            self._marked = True
+            return (yield self._execute, (_SAVEPOINT_SQL,))
+        if isinstance(op, Check):
+            if not self._marked:
+                return None
+            self._marked = False
+            return (yield self._execute, (_to_mark(conn, "RELEASE"),))
+        if isinstance(op, Undo):
+            return (yield self._execute, (_to_mark(conn, "ROLLBACK TO"),))
+        if isinstance(op, Commit | Rollback):
+            self._marked = False
+            return (yield conn.commit if isinstance(op, Commit) else conn.rollback, ())
+        if isinstance(op, OnStore):
+            return (yield self._on_store, (op.gen,))
+        if isinstance(op, Bound):
+            # The reservation's statement carries its lock wait (`_own_logic`); the store's
+            # bound on the server's silence grows by as much.
+            bound_reads(conn, lock_wait_seconds(op.lock_timeout))
+            return None
+        raise AssertionError(f"unknown operation {op!r}")
+
+
+class _PyMySQLTx(_MySQLTx):
+    """Runs transaction operations on one PyMySQL connection."""
+
+    def run(self, gen: TxGen[T]) -> T:
+        return execute(self, gen)
+
+    def do(self, op: Any) -> Any:
+        return drive(self.steps(op), call)
+
+    def _execute(self, sql: str, params: Any = None, fetch: bool = False) -> Any:
         with self._conn.cursor() as cursor:
             self._count = cursor.execute(sql, params)
             return list(cursor.fetchall()) if fetch else None
-
-    def _do(self, op: Any) -> Any:
-        conn = self._conn
-        with mapped_errors(), _translated(self._app):
-            match op:
-                case Statement(sql, params, fetch):
-                    if sql == ROW_COUNT:
-                        # The driver read it from the last statement's OK packet.
-                        return [(self._count,)]
-                    return self._execute(_pyformat(sql), params, fetch=fetch)
-                case Begin():
-                    began = not _in_transaction(conn)
-                    if began and conn.get_autocommit():
-                        conn.begin()
-                    return began
-                case Mark():
-                    self._marked = True
-                    return self._execute(_SAVEPOINT_SQL)
-                case Check() if self._marked:
-                    self._marked = False
-                    return self._execute(_to_mark(conn, "RELEASE"))
-                case Check():
-                    return None
-                case Undo():
-                    return self._execute(_to_mark(conn, "ROLLBACK TO"))
-                case Commit():
-                    self._marked = False
-                    return conn.commit()
-                case Rollback():
-                    self._marked = False
-                    return conn.rollback()
-                case OnStore(gen):
-                    return self._on_store(gen)
-        raise AssertionError(f"unknown operation {op!r}")
 
 
 class _Cursor(aiomysql.Cursor):  # type: ignore[misc]
@@ -365,57 +434,20 @@ class _Cursor(aiomysql.Cursor):  # type: ignore[misc]
         return None
 
 
-class _AioMySQLTx:
-    """The asynchronous twin of `_PyMySQLTx`, on one aiomysql connection."""
-
-    def __init__(self, conn: aiomysql.Connection, on_store: Any, *, app: bool = False) -> None:
-        self._conn = conn
-        self._on_store = on_store
-        self._app = app
-        self._count = 0
-        self._marked = False
+class _AioMySQLTx(_MySQLTx):
+    """The asynchronous face of `_PyMySQLTx`, on one aiomysql connection: the same calls,
+    awaited."""
 
     async def run(self, gen: TxGen[T]) -> T:
-        with mapped_errors():
-            return await adrive(gen, self._do)
+        return await aexecute(self, gen)
 
-    async def _execute(self, sql: str, params: Any = None, *, fetch: bool = False) -> Any:
+    async def do(self, op: Any) -> Any:
+        return await adrive(self.steps(op), acall)
+
+    async def _execute(self, sql: str, params: Any = None, fetch: bool = False) -> Any:
         async with self._conn.cursor(_Cursor) as cursor:
             self._count = await cursor.execute(sql, params)
             return list(await cursor.fetchall()) if fetch else None
-
-    async def _do(self, op: Any) -> Any:
-        conn = self._conn
-        with mapped_errors(), _translated(self._app):
-            match op:
-                case Statement(sql, params, fetch):
-                    if sql == ROW_COUNT:
-                        return [(self._count,)]
-                    return await self._execute(_pyformat(sql), params, fetch=fetch)
-                case Begin():
-                    began = not _in_transaction(conn)
-                    if began and conn.get_autocommit():
-                        await conn.begin()
-                    return began
-                case Mark():
-                    self._marked = True
-                    return await self._execute(_SAVEPOINT_SQL)
-                case Check() if self._marked:
-                    self._marked = False
-                    return await self._execute(_to_mark(conn, "RELEASE"))
-                case Check():
-                    return None
-                case Undo():
-                    return await self._execute(_to_mark(conn, "ROLLBACK TO"))
-                case Commit():
-                    self._marked = False
-                    return await conn.commit()
-                case Rollback():
-                    self._marked = False
-                    return await conn.rollback()
-                case OnStore(gen):
-                    return await self._on_store(gen)
-        raise AssertionError(f"unknown operation {op!r}")
 
 
 class _Pool:
@@ -488,6 +520,18 @@ def _binding(
     return waiting, timeout, unit_logic(waiting, mode, timeout, bounded)
 
 
+def _own_logic(dialect: MySQLDialect) -> StoreLogic:
+    """The logic of the store's own connections: a reservation bounded by a lock wait other
+    than the session's (`_options`) says so in its statement."""
+    session = lock_wait_seconds(DEFAULT_LOCK_TIMEOUT)
+
+    def bounded(wait: timedelta) -> MySQLDialect:
+        seconds = lock_wait_seconds(wait)
+        return dialect if seconds == session else dialect.waiting(seconds)
+
+    return StoreLogic(dialect, bounded)
+
+
 def is_conflict(exc: BaseException) -> bool:
     """Whether a driver error ended the app's transaction as a conflict (see `_CONFLICTS`)."""
     return isinstance(exc, pymysql.err.Error) and _code(exc) in _CONFLICTS
@@ -505,6 +549,12 @@ class MySQLStore(SqlStore):
             timedelta); default: the URL's ``connect_timeout``, else 5 s. A server that is
             down, refuses or does not answer fails a call within it, with
             `StoreUnavailableError` saying why.
+        read_timeout: how long a call on one of the store's connections may wait for the
+            server's answer beyond its lock wait (seconds or a timedelta); default: the
+            URL's ``read_timeout``, else the connect timeout, so 5 s + 5 s by default. A
+            server that stops answering after the store connected (frozen, partitioned
+            away) fails the call with `StoreUnavailableError` then, and the connection is
+            closed.
 
     >>> store = MySQLStore("mysql://root@127.0.0.1:3306/test")  # doctest: +SKIP
     """
@@ -517,11 +567,14 @@ class MySQLStore(SqlStore):
         max_size: int = 10,
         connect_args: Mapping[str, Any] | None = None,
         connect_timeout: timedelta | float | None = None,
+        read_timeout: timedelta | float | None = None,
     ) -> None:
         self._mysql = MySQLDialect(table)
         super().__init__(self._mysql)
-        options = _options(url, connect_args, connect_timeout)
+        self._logic = _own_logic(self._mysql)
+        options = _options(url, connect_args, connect_timeout, read_timeout)
         self.connect_timeout = timedelta(seconds=options["connect_timeout"])
+        self.read_timeout = _read_timeout(options)
         self._pool = _Pool(options, max_size)
 
     def run(self, gen: TxGen[T]) -> T:
@@ -537,7 +590,13 @@ class MySQLStore(SqlStore):
         if isinstance(conn, pymysql.connections.Connection):
             check_server(_server_version(conn))
             return SyncUnit(logic, _PyMySQLTx(conn, self.run, app=True).run)
-        from ._sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
+        conn = sqlalchemy_connection(
+            conn,
+            asynchronous=False,
+            store="MySQLStore",
+            driver="a pymysql.connections.Connection",
+        )
+        from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = SqlAlchemyTx(conn, dialect, timeout, self.run, map_error, conflict=is_conflict)
         return SyncUnit(logic, executor.run)
@@ -558,11 +617,19 @@ class AsyncMySQLStore(AsyncSqlStore):
         max_size: int = 10,
         connect_args: Mapping[str, Any] | None = None,
         connect_timeout: timedelta | float | None = None,
+        read_timeout: timedelta | float | None = None,
     ) -> None:
         self._mysql = MySQLDialect(table)
         super().__init__(self._mysql)
-        options = _options(url, connect_args, connect_timeout)
+        self._logic = _own_logic(self._mysql)
+        options = _options(url, connect_args, connect_timeout, read_timeout)
         self.connect_timeout = timedelta(seconds=options["connect_timeout"])
+        self.read_timeout = _read_timeout(options)
+        # aiomysql has no read timeout: a watchdog cuts off a connection that waits longer.
+        bound = options.pop("read_timeout")
+        self._watchdog = Watchdog(
+            math.inf if bound is None else bound, _aiomysql_socket, _lock_wait, server="MariaDB"
+        )
         if "database" in options:  # aiomysql's name for it
             options["db"] = options.pop("database")
         self._options = options
@@ -594,7 +661,14 @@ class AsyncMySQLStore(AsyncSqlStore):
             pool = self._pool or await self._open_pool()
             async with pool.acquire() as conn:
                 check_server(_server_version(conn))
-                return await _AioMySQLTx(conn, self.run).run(gen)
+                watchdog = self._watchdog
+                watchdog.watch(conn)
+                try:
+                    return await _AioMySQLTx(conn, self.run).run(gen)
+                except Exception as exc:  # noqa: BLE001 - raised again, or as the cause
+                    raise watchdog.failure(conn, exc)  # noqa: B904
+                finally:
+                    watchdog.done(conn)
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
@@ -605,7 +679,10 @@ class AsyncMySQLStore(AsyncSqlStore):
         if isinstance(conn, aiomysql.Connection):
             check_server(_server_version(conn))
             return AsyncUnit(logic, _AioMySQLTx(conn, self.run, app=True).run)
-        from ._sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
+        conn = sqlalchemy_connection(
+            conn, asynchronous=True, store="AsyncMySQLStore", driver="an aiomysql.Connection"
+        )
+        from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = AsyncSqlAlchemyTx(
             conn, dialect, timeout, self.run, map_error, conflict=is_conflict
@@ -613,6 +690,7 @@ class AsyncMySQLStore(AsyncSqlStore):
         return AsyncUnit(logic, executor.run)
 
     async def aclose(self) -> None:
+        self._watchdog.close()
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.close()

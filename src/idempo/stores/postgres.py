@@ -21,37 +21,38 @@ from functools import lru_cache
 from time import monotonic
 from typing import Any, Self, TypeVar
 
-try:
+from .._optional import optional_import
+
+with optional_import("the PostgreSQL store needs psycopg", extra="postgres"):
     import psycopg
     from psycopg import IsolationLevel
     from psycopg import errors as pg_errors
     from psycopg.conninfo import conninfo_to_dict
     from psycopg.pq import TransactionStatus
     from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from ..errors import ConfigurationError
-
-    raise ConfigurationError(
-        "the PostgreSQL store needs psycopg: pip install 'idempo[postgres]'"
-    ) from exc
 
 from ..errors import (
     ConfigurationError,
     FencedError,
-    IdempotencyError,
     StoreError,
     StoreUnavailableError,
 )
 from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
-from ._sql import FENCED_MARKER, PostgresDialect, Statement, adrive, drive, pyformat
-from ._units import (
+from ._sql.binding import sqlalchemy_connection
+from ._sql.dialect import FENCED_MARKER, Statement, pyformat
+from ._sql.postgres import (
     PG_AGAIN_LOCK_TIMEOUT,
     PG_RESTORE_LOCK_TIMEOUT,
     PG_SET_LOCK_TIMEOUT,
+    PostgresDialect,
+    pg_ms,
+)
+from ._sql.transaction import (
     SAVEPOINT,
     AsyncSqlStore,
     AsyncUnit,
     Begin,
+    Bound,
     Check,
     Commit,
     LockTimeoutError,
@@ -64,9 +65,13 @@ from ._units import (
     TransactionEnded,
     TxGen,
     Undo,
-    pg_ms,
-    unit_logic,
+    abound,
+    aexecute,
+    bound,
+    execute,
+    mapped,
 )
+from ._watchdog import Watchdog
 from .base import Mode
 
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
@@ -74,6 +79,8 @@ __all__ = ["AsyncPostgresStore", "PostgresStore"]
 T = TypeVar("T")
 
 _pyformat = lru_cache(maxsize=256)(pyformat)
+# Few distinct lock timeouts are ever asked for; a cached one costs no Python call.
+_pg_ms = lru_cache(maxsize=64)(pg_ms)
 
 
 def map_error(exc: BaseException) -> BaseException:
@@ -97,14 +104,12 @@ def map_error(exc: BaseException) -> BaseException:
     return exc
 
 
-@contextmanager
-def mapped_errors() -> Iterator[None]:
-    try:
-        yield
-    except (IdempotencyError, LockTimeoutError):
-        raise
-    except psycopg.Error as exc:
-        raise map_error(exc) from exc
+def error(exc: BaseException) -> BaseException:
+    """What a failure means to the logic: the driver's errors as idempo's (the cause kept),
+    idempo's own unchanged. Applied once, where a failure leaves the executor."""
+    if isinstance(exc, psycopg.Error):
+        return mapped(exc, map_error(exc))
+    return exc
 
 
 Queued = tuple[str, Any]
@@ -115,6 +120,9 @@ _UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", None)
 _SET_LOCK_TIMEOUT = pyformat(PG_SET_LOCK_TIMEOUT)
 _AGAIN_LOCK_TIMEOUT = pyformat(PG_AGAIN_LOCK_TIMEOUT)
 _RESTORE_LOCK_TIMEOUT: Queued = (PG_RESTORE_LOCK_TIMEOUT, None)
+_SET_SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(ms)s, false)"
+# The lock timeout the store set on one of its own connections (an attribute of it).
+_LOCK_TIMEOUT_SET = "_idempo_lock_timeout"
 
 
 @lru_cache(maxsize=64)
@@ -152,27 +160,19 @@ class _Batch:
         self.app = app
         self.pending: list[Queued] = []
         self.result_at = -1  # which pending statement's rows the caller waits for
-        self.default_wait = pg_ms(lock_timeout)
+        self.default_wait = _pg_ms(lock_timeout)
         self.reserving: str | None = None  # the reservation's lock timeout, while it runs
         self.marked = False  # the savepoint follows the reservation's last statement
         self.flip = False  # send with autocommit on, then give the app back its "off"
-        self.restore_autocommit: bool | None = None
+        self.answer: Any = None  # what `need` answered, when nothing was left to do
 
     def idle(self) -> bool:
         return bool(self.conn.info.transaction_status == TransactionStatus.IDLE)
 
-    def begin(self, op: Begin) -> tuple[bool, bool | None]:
-        """Queue what starts the transaction: whether this begins one, and the autocommit
-        setting to switch to now (None: none)."""
+    def begin(self, op: Begin) -> bool:
+        """Queue what starts the transaction: whether this begins one."""
         conn = self.conn
-        if op.lazy:
-            # psycopg's implicit BEGIN (with the connection's settings) will travel with the
-            # app's first statement.
-            if self.idle() and conn.autocommit:
-                self.restore_autocommit = True
-                return True, False
-            return False, None
-        if conn.read_only:
+        if op.reserves and conn.read_only:
             raise ConfigurationError(
                 "the connection is read-only (conn.read_only): transactional mode writes its"
                 " record in the connection's transaction; use mode='leased' or no conn"
@@ -184,10 +184,11 @@ class _Batch:
             # With autocommit off psycopg would send a BEGIN of its own first, a round trip
             # apart; it is off again as soon as ours is sent.
             self.flip = not conn.autocommit
-        wait = self.default_wait if op.lock_timeout is None else pg_ms(op.lock_timeout)
-        self.pending.append((_SET_LOCK_TIMEOUT, {"ms": wait}))
-        self.reserving = wait
-        return began, None
+        if op.reserves:
+            wait = self.default_wait if op.lock_timeout is None else _pg_ms(op.lock_timeout)
+            self.pending.append((_SET_LOCK_TIMEOUT, {"ms": wait}))
+            self.reserving = wait
+        return began
 
     def statement(self, sql: str, params: Any) -> None:
         pending = self.pending
@@ -204,10 +205,12 @@ class _Batch:
         self.marked = True
 
     def mark(self) -> None:
-        self.reserving = None
         if not self.marked:
-            self.pending += [_RESTORE_LOCK_TIMEOUT, _SAVEPOINT]
+            # The app's lock timeout comes back only where the reservation's replaced it.
+            restore = [_RESTORE_LOCK_TIMEOUT] if self.reserving is not None else []
+            self.pending += [*restore, _SAVEPOINT]
             self.marked = True
+        self.reserving = None
 
     def check(self) -> None:
         """The savepoint's release goes with the completion; it fails if the app ended the
@@ -224,35 +227,85 @@ class _Batch:
             raise TransactionEnded("the connection has no open transaction")
         self.pending.append(_UNDO)
 
+    def bound(self, op: Bound) -> Queued | None:
+        """The statement that sets the store's own connection's lock timeout to ``op``'s,
+        None when it is set already. Session-wide and sent alone (a setting made in a
+        transaction that fails is undone), so it is sent once per connection and value."""
+        wait = _pg_ms(op.lock_timeout)
+        if getattr(self.conn, _LOCK_TIMEOUT_SET, None) == wait:
+            return None
+        return (_SET_SESSION_LOCK_TIMEOUT, {"ms": wait})
+
+    def bound_set(self, params: Any) -> None:
+        setattr(self.conn, _LOCK_TIMEOUT_SET, params["ms"])
+
     def take(self) -> tuple[list[Queued], int]:
-        pending, self.pending = self.pending, []
+        pending = self.pending[:]
+        self.pending.clear()  # the same list: the executor's ``pending`` is this one
         at, self.result_at = self.result_at, -1
         return pending, at
 
-    def ended(self) -> bool | None:
-        """The autocommit setting to give back to the app now its transaction is over."""
+    def ended(self) -> None:
+        """The transaction is over."""
         self.reserving, self.marked, self.flip = None, False, False
-        restore, self.restore_autocommit = self.restore_autocommit, None
-        return restore
 
-    @contextmanager
-    def translated(self) -> Iterator[None]:
-        """What the driver's errors mean to the transaction's logic."""
-        try:
-            yield
-        except (pg_errors.InvalidSavepointSpecification, pg_errors.NoActiveSqlTransaction) as exc:
+    def translate(self, exc: BaseException) -> BaseException:
+        """What a failure of sent statements means to the transaction's logic."""
+        if isinstance(
+            exc, pg_errors.InvalidSavepointSpecification | pg_errors.NoActiveSqlTransaction
+        ):
             # Only the guard's savepoint statements can fail so: the app ended it.
-            raise TransactionEnded(str(exc)) from exc
-        except pg_errors.TransactionRollback as exc:  # see is_conflict
-            if self.app:
-                raise TransactionConflict(exc) from exc
-            raise
+            return mapped(exc, TransactionEnded(str(exc)))
+        if self.app and is_conflict(exc):
+            return mapped(exc, TransactionConflict(exc))
+        return error(exc)
+
+    def need(self, op: Any) -> int:
+        """Take ``op`` into the batch: what is left for the face to do (`_DONE`: nothing,
+        the answer is ``self.answer``)."""
+        self.answer = None
+        if isinstance(op, Statement):
+            self.statement(_pyformat(op.sql), op.params)
+            return _FETCH if op.fetch else _DONE
+        if isinstance(op, Begin):
+            self.answer = self.begin(op)
+            return _DONE
+        if isinstance(op, Mark):
+            self.mark()
+            return _DONE
+        if isinstance(op, Check):
+            self.check()
+            return _DONE
+        if isinstance(op, Undo):
+            self.undo()
+            return _SEND
+        if isinstance(op, Commit):
+            self.pending.append(("COMMIT", None))
+            return _COMMIT
+        if isinstance(op, Rollback):
+            self.take()  # what was never sent needs no undoing
+            return _ROLLBACK
+        if isinstance(op, OnStore):
+            return _ON_STORE
+        if isinstance(op, Bound):
+            self.answer = self.bound(op)
+            return _DONE if self.answer is None else _BOUND
+        raise AssertionError(f"unknown operation {op!r}")
+
+
+_SAVEPOINT_GONE = (pg_errors.InvalidSavepointSpecification, pg_errors.NoActiveSqlTransaction)
+
+# What is left for an executor's face to do after `_Batch.need`: sans-I/O above, the
+# driver's calls below.
+_DONE, _FETCH, _SEND, _COMMIT, _ROLLBACK, _ON_STORE, _BOUND = range(7)
 
 
 def is_conflict(exc: BaseException) -> bool:
     """Whether a driver error ended the app's transaction: a serialization failure or a
     deadlock, which the app's own retry logic is there for."""
-    return isinstance(exc, pg_errors.TransactionRollback)
+    # SQLSTATE class 40, "transaction rollback": psycopg does not make its serialization
+    # failure (40001) or deadlock (40P01) subclasses of its TransactionRollback.
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40")
 
 
 def _autocommit_off(conn: Any) -> None:
@@ -263,166 +316,128 @@ def _autocommit_off(conn: Any) -> None:
 
 
 class _PsycopgTx:
-    """Runs transaction operations on one sync psycopg connection. ``on_store`` is given for
-    the app's connection (a guarded call), None for the store's own."""
+    """Runs transaction operations on one sync psycopg connection: the `_Batch` decides,
+    this face only makes psycopg's calls. ``on_store`` is given for the app's connection (a
+    guarded call), None for the store's own."""
 
     def __init__(
         self, conn: psycopg.Connection[Any], lock_timeout: timedelta, on_store: Any = None
     ) -> None:
         self._conn = conn
-        self._batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.pending = self.batch.pending
+        self.error = error
 
-    def run(self, gen: TxGen[T]) -> T:
-        with mapped_errors():
+    def do(self, op: Any) -> Any:
+        batch = self.batch
+        need = batch.need(op)
+        if need == _DONE:
+            return batch.answer
+        if need == _FETCH:
+            cursor = self.flush()
+            return None if cursor is None else cursor.fetchall()
+        if need == _ON_STORE:
+            return batch.on_store(op.gen)
+        if need == _BOUND:
+            sql, params = batch.answer
             try:
-                return drive(gen, self._do)
-            finally:
-                self._send()
+                self._conn.execute(sql, params)
+            except psycopg.Error as exc:
+                raise batch.translate(exc)  # noqa: B904 - the cause is set
+            batch.bound_set(params)
+            return None
+        if need != _ROLLBACK:
+            self.flush()
+        elif not batch.idle():
+            self._conn.execute("ROLLBACK")
+        if need != _SEND:
+            batch.ended()
+        return None
 
-    def _send(self) -> psycopg.Cursor[Any] | None:
-        batch = self._batch
+    def flush(self) -> psycopg.Cursor[Any] | None:
+        """Send what is queued; the cursor of the statement whose rows are awaited."""
+        batch = self.batch
         pending, at = batch.take()
         if not pending:
             return None
         flip, batch.flip = batch.flip, False
-        with mapped_errors(), batch.translated():
+        conn = self._conn
+        try:
             if flip:
-                self._conn.autocommit = True
+                conn.autocommit = True
             try:
                 if len(pending) == 1:
                     sql, params = pending[0]
-                    return self._conn.execute(sql, params, prepare=params is not None)
-                with self._conn.pipeline():
-                    cursors = [
-                        self._conn.execute(sql, params, prepare=params is not None)
-                        for sql, params in pending
-                    ]
+                    return conn.execute(sql, params, prepare=params is not None)
+                with conn.pipeline():
+                    cursors = [conn.execute(q, p, prepare=p is not None) for q, p in pending]
                 return cursors[at]
             finally:
                 if flip:
-                    _autocommit_off(self._conn)
-
-    def _end(self) -> None:
-        restore = self._batch.ended()
-        if restore is not None:
-            self._conn.autocommit = restore
-
-    def _do(self, op: Any) -> Any:
-        batch = self._batch
-        with mapped_errors():
-            match op:
-                case Statement(sql, params, fetch):
-                    batch.statement(_pyformat(sql), params)
-                    cursor = self._send() if fetch else None
-                    return cursor.fetchall() if cursor is not None else None
-                case Begin():
-                    began, switch = batch.begin(op)
-                    if switch is not None:
-                        self._conn.autocommit = switch
-                    return began
-                case Mark():
-                    return batch.mark()
-                case Check():
-                    return batch.check()
-                case Undo():
-                    batch.undo()
-                    self._send()
-                    return None
-                case Commit():
-                    batch.pending.append(("COMMIT", None))
-                    self._send()
-                    self._end()
-                    return None
-                case Rollback():
-                    batch.take()  # what was never sent needs no undoing
-                    if not batch.idle():
-                        self._conn.execute("ROLLBACK")
-                    self._end()
-                    return None
-                case OnStore(gen):
-                    return batch.on_store(gen)
-        raise AssertionError(f"unknown operation {op!r}")
+                    _autocommit_off(conn)
+        except psycopg.Error as exc:
+            raise batch.translate(exc)  # noqa: B904 - the cause is set
 
 
 class _AsyncPsycopgTx:
-    """The asynchronous twin of `_PsycopgTx`."""
+    """The asynchronous face of `_PsycopgTx`: the same calls, awaited."""
 
     def __init__(
         self, conn: psycopg.AsyncConnection[Any], lock_timeout: timedelta, on_store: Any = None
     ) -> None:
         self._conn = conn
-        self._batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.pending = self.batch.pending
+        self.error = error
 
-    async def run(self, gen: TxGen[T]) -> T:
-        with mapped_errors():
+    async def do(self, op: Any) -> Any:
+        batch = self.batch
+        need = batch.need(op)
+        if need == _DONE:
+            return batch.answer
+        if need == _FETCH:
+            cursor = await self.flush()
+            return None if cursor is None else await cursor.fetchall()
+        if need == _ON_STORE:
+            return await batch.on_store(op.gen)
+        if need == _BOUND:
+            sql, params = batch.answer
             try:
-                return await adrive(gen, self._do)
-            finally:
-                await self._send()
+                await self._conn.execute(sql, params)
+            except psycopg.Error as exc:
+                raise batch.translate(exc)  # noqa: B904 - the cause is set
+            batch.bound_set(params)
+            return None
+        if need != _ROLLBACK:
+            await self.flush()
+        elif not batch.idle():
+            await self._conn.execute("ROLLBACK")
+        if need != _SEND:
+            batch.ended()
+        return None
 
-    async def _send(self) -> psycopg.AsyncCursor[Any] | None:
-        batch = self._batch
+    async def flush(self) -> psycopg.AsyncCursor[Any] | None:
+        batch = self.batch
         pending, at = batch.take()
         if not pending:
             return None
         flip, batch.flip = batch.flip, False
-        with mapped_errors(), batch.translated():
+        conn = self._conn
+        try:
             if flip:
-                await self._conn.set_autocommit(True)
+                await conn.set_autocommit(True)
             try:
                 if len(pending) == 1:
                     sql, params = pending[0]
-                    return await self._conn.execute(sql, params, prepare=params is not None)
-                async with self._conn.pipeline():
-                    cursors = [
-                        await self._conn.execute(sql, params, prepare=params is not None)
-                        for sql, params in pending
-                    ]
+                    return await conn.execute(sql, params, prepare=params is not None)
+                async with conn.pipeline():
+                    cursors = [await conn.execute(q, p, prepare=p is not None) for q, p in pending]
                 return cursors[at]
             finally:
                 if flip:
-                    _autocommit_off(self._conn)
-
-    async def _end(self) -> None:
-        restore = self._batch.ended()
-        if restore is not None:
-            await self._conn.set_autocommit(restore)
-
-    async def _do(self, op: Any) -> Any:
-        batch = self._batch
-        with mapped_errors():
-            match op:
-                case Statement(sql, params, fetch):
-                    batch.statement(_pyformat(sql), params)
-                    cursor = await self._send() if fetch else None
-                    return await cursor.fetchall() if cursor is not None else None
-                case Begin():
-                    began, switch = batch.begin(op)
-                    if switch is not None:
-                        await self._conn.set_autocommit(switch)
-                    return began
-                case Mark():
-                    return batch.mark()
-                case Check():
-                    return batch.check()
-                case Undo():
-                    batch.undo()
-                    await self._send()
-                    return None
-                case Commit():
-                    batch.pending.append(("COMMIT", None))
-                    await self._send()
-                    await self._end()
-                    return None
-                case Rollback():
-                    batch.take()
-                    if not batch.idle():
-                        await self._conn.execute("ROLLBACK")
-                    await self._end()
-                    return None
-                case OnStore(gen):
-                    return await batch.on_store(gen)
-        raise AssertionError(f"unknown operation {op!r}")
+                    _autocommit_off(conn)
+        except psycopg.Error as exc:
+            raise batch.translate(exc)  # noqa: B904 - the cause is set
 
 
 DEFAULT_TABLE = "idempo_records"
@@ -553,9 +568,61 @@ def _awatched(connector: _Connector) -> type[psycopg.AsyncConnection[Any]]:
     return Watched
 
 
+def _connector(
+    conninfo: Any, connect_timeout: timedelta | float | None, max_size: int
+) -> _Connector | None:
+    """How the store's own pool connects; None when the app gave its pool."""
+    if not isinstance(conninfo, str):
+        return None
+    return _Connector(conninfo, connect_timeout, max_size)
+
+
+def _pool(conninfo: Any, connector: _Connector | None, kind: Any, watched: Any) -> Any:
+    """The app's pool as given, or the store's own (``kind``: the sync or async pool
+    class; the async one opens on first use, inside the running event loop)."""
+    if connector is None:
+        return conninfo
+    return kind(
+        connector.conninfo,
+        kwargs=connector.kwargs,
+        connection_class=watched(connector),
+        min_size=1,
+        max_size=connector.max_size,
+        open=kind is ConnectionPool,
+    )
+
+
 def _timeout(connector: _Connector | None) -> timedelta | None:
     """The connect timeout in force; None on the app's own pool, which has its own."""
     return None if connector is None else timedelta(seconds=connector.timeout)
+
+
+def _socket_of(conn: Any) -> int:
+    return int(conn.pgconn.socket)
+
+
+def _lock_wait(conn: Any) -> float:
+    """How long a statement on one of the store's connections may wait on a row lock: the
+    lock timeout the store set on it, seconds."""
+    ms = getattr(conn, _LOCK_TIMEOUT_SET, None)
+    if ms is None:
+        return DEFAULT_LOCK_TIMEOUT.total_seconds()
+    return int(str(ms).removesuffix("ms")) / 1000
+
+
+def _watchdog(connector: _Connector | None, read_timeout: timedelta | float | None) -> Watchdog:
+    """The bound on a call's wait for the server's answer beyond its lock wait:
+    ``read_timeout``, else the connect timeout (a server given that long to accept a
+    connection is given as long to answer a statement)."""
+    if read_timeout is not None:
+        bound = seconds(read_timeout)
+    elif connector is None:
+        bound = DEFAULT_CONNECT_TIMEOUT.total_seconds()
+    else:
+        bound = connector.timeout
+    if bound <= 0:
+        raise ConfigurationError(f"read_timeout must be positive, not {read_timeout!r}")
+    return Watchdog(bound, _socket_of, _lock_wait, server="PostgreSQL")
 
 
 class PostgresStore(SqlStore):
@@ -571,6 +638,11 @@ class PostgresStore(SqlStore):
             A call on a server that is down, refuses or does not answer fails within it,
             with `StoreUnavailableError` saying why (connection refused, unknown database or
             role, bad credentials, unknown host, no answer).
+        read_timeout: how long a call on one of the store's connections may wait for the
+            server's answer beyond its lock timeout (seconds or a timedelta); default: the
+            connect timeout, so 5 s + 5 s by default. A server that stops answering after
+            the store connected (frozen, partitioned away) fails the call with
+            `StoreUnavailableError` then, and the connection is closed.
 
     >>> store = PostgresStore("postgresql://postgres@127.0.0.1/test")  # doctest: +SKIP
     """
@@ -582,31 +654,29 @@ class PostgresStore(SqlStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 10,
         connect_timeout: timedelta | float | None = None,
+        read_timeout: timedelta | float | None = None,
     ) -> None:
         super().__init__(PostgresDialect(table))
         self._owns_pool = not isinstance(conninfo, ConnectionPool)
-        self._connector: _Connector | None = None
-        if isinstance(conninfo, str):
-            self._connector = connector = _Connector(conninfo, connect_timeout, max_size)
-            conninfo = ConnectionPool(
-                conninfo,
-                kwargs=connector.kwargs,
-                connection_class=_watched(connector),
-                min_size=1,
-                max_size=max_size,
-                open=True,
-            )
-        self._pool: ConnectionPool[Any] = conninfo
+        self._connector = _connector(conninfo, connect_timeout, max_size)
+        self._watchdog = _watchdog(self._connector, read_timeout)
+        self._pool: ConnectionPool[Any] = _pool(conninfo, self._connector, ConnectionPool, _watched)
         self.connect_timeout = _timeout(self._connector)
+        self.read_timeout = timedelta(seconds=self._watchdog.bound)
 
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
         """One of the pool's connections, or when the pool cannot connect, one made here."""
         conn, pooled = self._checkout()
+        watchdog = self._watchdog
+        watchdog.watch(conn)
         try:
             with conn:
                 yield conn
+        except Exception as exc:  # noqa: BLE001 - raised again, or as the cause
+            raise watchdog.failure(conn, exc)  # noqa: B904
         finally:
+            watchdog.done(conn)
             if pooled:
                 self._pool.putconn(conn)
 
@@ -628,25 +698,31 @@ class PostgresStore(SqlStore):
         return conn, False
 
     def run(self, gen: TxGen[T]) -> T:
-        with mapped_errors(), self._connection() as conn:
-            return _PsycopgTx(conn, DEFAULT_LOCK_TIMEOUT).run(gen)
+        try:
+            with self._connection() as conn:
+                return execute(_PsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
+        except psycopg.Error as exc:  # the pool's, the connection's: not the statements'
+            raise error(exc) from exc
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> SyncUnit:
         """A unit that runs a guarded call on the app's connection (psycopg or SQLAlchemy)."""
         timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
-        logic = unit_logic(self.dialect, mode, timeout)
         if isinstance(conn, psycopg.Connection):
-            return SyncUnit(logic, _PsycopgTx(conn, timeout, self.run).run)
-        from ._sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
+            return bound(self.dialect, mode, timeout, _PsycopgTx(conn, timeout, self.run))
+        conn = sqlalchemy_connection(
+            conn, asynchronous=False, store="PostgresStore", driver="a psycopg.Connection"
+        )
+        from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = SqlAlchemyTx(
             conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
         )
-        return SyncUnit(logic, executor.run)
+        return bound(self.dialect, mode, timeout, executor)
 
     def close(self) -> None:
+        self._watchdog.close()
         if self._owns_pool:
             self._pool.close()
 
@@ -664,21 +740,16 @@ class AsyncPostgresStore(AsyncSqlStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 10,
         connect_timeout: timedelta | float | None = None,
+        read_timeout: timedelta | float | None = None,
     ) -> None:
         super().__init__(PostgresDialect(table))
         self._owns_pool = not isinstance(conninfo, AsyncConnectionPool)
-        self._connector: _Connector | None = None
-        if isinstance(conninfo, str):
-            self._connector = connector = _Connector(conninfo, connect_timeout, max_size)
-            conninfo = AsyncConnectionPool(
-                conninfo,
-                kwargs=connector.kwargs,
-                connection_class=_awatched(connector),
-                min_size=1,
-                max_size=max_size,
-                open=False,
-            )
-        self._pool: AsyncConnectionPool[Any] = conninfo
+        self._connector = _connector(conninfo, connect_timeout, max_size)
+        self._watchdog = _watchdog(self._connector, read_timeout)
+        self.read_timeout = timedelta(seconds=self._watchdog.bound)
+        self._pool: AsyncConnectionPool[Any] = _pool(
+            conninfo, self._connector, AsyncConnectionPool, _awatched
+        )
         self._opened = not self._owns_pool
         self.connect_timeout = _timeout(self._connector)
 
@@ -689,10 +760,15 @@ class AsyncPostgresStore(AsyncSqlStore):
             await self._pool.open()
             self._opened = True
         conn, pooled = await self._checkout()
+        watchdog = self._watchdog
+        watchdog.watch(conn)
         try:
             async with conn:
                 yield conn
+        except Exception as exc:  # noqa: BLE001 - raised again, or as the cause
+            raise watchdog.failure(conn, exc)  # noqa: B904
         finally:
+            watchdog.done(conn)
             if pooled:
                 await self._pool.putconn(conn)
 
@@ -715,25 +791,33 @@ class AsyncPostgresStore(AsyncSqlStore):
         return conn, False
 
     async def run(self, gen: TxGen[T]) -> T:
-        with mapped_errors():
+        try:
             async with self._connection() as conn:
-                return await _AsyncPsycopgTx(conn, DEFAULT_LOCK_TIMEOUT).run(gen)
+                return await aexecute(_AsyncPsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
+        except psycopg.Error as exc:
+            raise error(exc) from exc
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> AsyncUnit:
         """A unit that runs a guarded call on the app's async connection or session."""
         timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
-        logic = unit_logic(self.dialect, mode, timeout)
         if isinstance(conn, psycopg.AsyncConnection):
-            return AsyncUnit(logic, _AsyncPsycopgTx(conn, timeout, self.run).run)
-        from ._sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
+            return abound(self.dialect, mode, timeout, _AsyncPsycopgTx(conn, timeout, self.run))
+        conn = sqlalchemy_connection(
+            conn,
+            asynchronous=True,
+            store="AsyncPostgresStore",
+            driver="a psycopg.AsyncConnection",
+        )
+        from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = AsyncSqlAlchemyTx(
             conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
         )
-        return AsyncUnit(logic, executor.run)
+        return abound(self.dialect, mode, timeout, executor)
 
     async def aclose(self) -> None:
+        self._watchdog.close()
         if self._owns_pool:
             await self._pool.close()

@@ -20,14 +20,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from ..errors import IdempotencyError, StoreError, StoreUnavailableError
+from ..errors import StoreError, StoreUnavailableError
 from . import schema_missing
-from ._sql import SQLiteDialect, Statement, drive
-from ._units import (
+from ._sql.binding import sqlalchemy_connection
+from ._sql.dialect import Statement
+from ._sql.sqlite import SQLiteDialect
+from ._sql.transaction import (
     SAVEPOINT,
     AsyncSqlStore,
     AsyncUnit,
     Begin,
+    Bound,
     Check,
     Commit,
     LockTimeoutError,
@@ -39,6 +42,9 @@ from ._units import (
     TransactionEnded,
     TxGen,
     Undo,
+    bound,
+    execute,
+    mapped,
     unit_logic,
 )
 from .base import Mode
@@ -108,47 +114,56 @@ class _Sqlite3Tx:
         self._on_store = on_store
         self._marked = False
 
-    def run(self, gen: TxGen[T]) -> T:
-        return drive(gen, self._do)
+    pending: list[Any] = []  # noqa: RUF012 - statements go at once: never any queued
 
-    def _do(self, op: Any) -> Any:
+    def run(self, gen: TxGen[T]) -> T:
+        return execute(self, gen)
+
+    def flush(self) -> None:
+        return None
+
+    def error(self, exc: BaseException) -> BaseException:
+        """A sqlite3 error as idempo's (its cause kept); anything else as it is. Applied
+        once, where a failure leaves the executor."""
+        if isinstance(exc, sqlite3.Error):
+            return mapped(exc, map_error(exc))
+        return exc
+
+    def do(self, op: Any) -> Any:
         conn = self._conn
-        try:
-            match op:
-                case Statement(sql, params, _):
-                    return conn.execute(sql, params).fetchall()
-                case Begin():
-                    return self._begin(op)
-                case Mark():
-                    conn.execute(f"SAVEPOINT {SAVEPOINT}")
-                    self._marked = True
-                    return None
-                case Check() if self._marked:
-                    self._marked = False
-                    return self._to_mark(f"RELEASE {SAVEPOINT}")
-                case Check():
-                    return None
-                case Undo():
-                    return self._to_mark(f"ROLLBACK TO {SAVEPOINT}")
-                case Commit():
-                    self._marked = False
-                    return conn.commit()
-                case Rollback():
-                    self._marked = False
-                    return conn.rollback()
-                case OnStore(gen):
-                    return self._on_store(gen)
-        except (IdempotencyError, LockTimeoutError, TransactionEnded):
-            raise
-        except sqlite3.Error as exc:
-            raise map_error(exc) from exc
+        match op:
+            case Statement(sql, params, _):
+                return conn.execute(sql, params).fetchall()
+            case Begin():
+                return self._begin(op)
+            case Mark():
+                conn.execute(f"SAVEPOINT {SAVEPOINT}")
+                self._marked = True
+                return None
+            case Check() if self._marked:
+                self._marked = False
+                return self._to_mark(f"RELEASE {SAVEPOINT}")
+            case Check():
+                return None
+            case Undo():
+                return self._to_mark(f"ROLLBACK TO {SAVEPOINT}")
+            case Commit():
+                self._marked = False
+                return conn.commit()
+            case Rollback():
+                self._marked = False
+                return conn.rollback()
+            case OnStore(gen):
+                return self._on_store(gen)
+            case Bound():
+                return None  # the store's BEGIN IMMEDIATE has waited already
         raise AssertionError(f"unknown operation {op!r}")
 
     def _begin(self, op: Begin) -> bool:
         conn = self._conn
         if conn.in_transaction:
             return False
-        if op.lazy:
+        if not op.reserves:
             # Deferred: the work's first write takes the write lock. Taking it now would
             # stall every other writer, takeovers included, while the work runs.
             conn.execute("BEGIN")
@@ -210,6 +225,8 @@ class SQLiteStore(SqlStore):
 
     >>> store = SQLiteStore("/tmp/idempo-doc.db"); store.migrate(); store.close()
     """
+
+    bounds_lock_waits = False  # its BEGIN IMMEDIATE waits, bounded by the busy timeout
 
     def __init__(
         self,
@@ -319,13 +336,16 @@ class SQLiteStore(SqlStore):
     ) -> SyncUnit:
         """A unit that runs a guarded call on the app's ``sqlite3.Connection`` or SQLAlchemy
         session. The connection's own busy timeout bounds how long a duplicate waits."""
-        logic = unit_logic(self.dialect, mode, lock_timeout or self._busy_timeout)
-        if isinstance(conn, sqlite3.Connection):
-            return SyncUnit(logic, _Sqlite3Tx(conn, self.run).run)
-        from ._sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
-
         timeout = lock_timeout or self._busy_timeout
-        return SyncUnit(logic, SqlAlchemyTx(conn, self.dialect, timeout, self.run, map_error).run)
+        if isinstance(conn, sqlite3.Connection):
+            return bound(self.dialect, mode, timeout, _Sqlite3Tx(conn, self.run))
+        conn = sqlalchemy_connection(
+            conn, asynchronous=False, store="SQLiteStore", driver="a sqlite3.Connection"
+        )
+        from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
+
+        executor = SqlAlchemyTx(conn, self.dialect, timeout, self.run, map_error)
+        return bound(self.dialect, mode, timeout, executor)
 
     def close(self) -> None:
         with self._lock:
@@ -349,6 +369,8 @@ def _unless(abandoned: threading.Event, gen: TxGen[T]) -> TxGen[T]:
 
 class AsyncSQLiteStore(AsyncSqlStore):
     """The asynchronous twin of `SQLiteStore`: the same work in a worker thread."""
+
+    bounds_lock_waits = False  # its BEGIN IMMEDIATE waits, bounded by the busy timeout
 
     def __init__(
         self,
@@ -379,7 +401,8 @@ class AsyncSQLiteStore(AsyncSqlStore):
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> AsyncUnit:
         """A unit on the app's SQLAlchemy ``AsyncSession`` / ``AsyncConnection`` (aiosqlite)."""
-        from ._sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
+        conn = sqlalchemy_connection(conn, asynchronous=True, store="AsyncSQLiteStore", driver=None)
+        from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         timeout = lock_timeout or DEFAULT_BUSY_TIMEOUT
         logic = unit_logic(self.dialect, mode, timeout)

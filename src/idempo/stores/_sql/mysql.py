@@ -20,11 +20,11 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
 
-from .._core.keys import Scope
-from .._core.ops import Release, Renew, Reserve, Settle
-from .._core.record import InProgress, Reservation
-from ..errors import FencedError, StoreError
-from ._sql import _COLUMNS, SqlDialect, SqlGen, Statement
+from ..._core.keys import Scope
+from ..._core.ops import Release, Renew, Reserve, Settle
+from ..._core.record import InProgress, Reservation
+from ...errors import FencedError, StoreError
+from .dialect import COLUMNS, SqlDialect, SqlGen, Statement
 
 __all__ = ["ROW_COUNT", "MySQLDialect", "scope_hash"]
 
@@ -184,7 +184,7 @@ class MySQLDialect(SqlDialect):
             f" {take('response', 'NULL')}, {take('updated_at', now)},"
             f" {take('expires_at', expires_at)}"
             # The instant it decided at, for judging what it found (the server's clock).
-            f" RETURNING attempt = :attempt, {_COLUMNS}, {now}"
+            f" RETURNING attempt = :attempt, {COLUMNS}, {now}"
         )
 
     @cached_property
@@ -245,7 +245,7 @@ class MySQLDialect(SqlDialect):
 
     @cached_property
     def select_sql(self) -> str:
-        return f"SELECT {_COLUMNS} FROM {self.table} WHERE {_WHERE_SCOPE}"
+        return f"SELECT {COLUMNS} FROM {self.table} WHERE {_WHERE_SCOPE}"
 
     def purge(self, before: datetime | None, limit: int) -> SqlGen[int]:
         # Oldest first along the expires_at index; a live lease is never purged. Rows another

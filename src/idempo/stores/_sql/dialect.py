@@ -1,4 +1,4 @@
-"""SQL shared by the SQLite and PostgreSQL stores, written once and run by any executor.
+"""The SQL every dialect shares, written once and run by any executor.
 
 Each verb is a generator that yields `Statement`s and receives their rows, so the same text
 runs on the store's own connections (leased mode), on the app's psycopg or sqlite3
@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Generator
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any, NamedTuple, TypeVar
 
-from .._core.keys import Scope
-from .._core.ops import Release, Renew, Reserve, Settle
-from .._core.record import Acquired, InProgress, Record, Reservation, Status, judge
-from .._http import evict_hint
-from ..errors import ConfigurationError, CorruptRecordError, FencedError
-from . import _clock
+from ..._core.keys import Scope, evict_hint
+from ..._core.ops import Release, Renew, Reserve, Settle
+from ..._core.record import Acquired, Record, Reservation, Status, judge
+from ...errors import ConfigurationError, CorruptRecordError, FencedError
+from .. import _clock
 
 T = TypeVar("T")
 Rows = list[tuple[Any, ...]]
@@ -41,7 +40,7 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{
 _NAMED_PARAM = re.compile(r"(?<!:):([a-z_]+)")
 
 # A takeover after a lost race is retried a few times before the caller is told to come back.
-_RESERVE_TRIES = 5
+RESERVE_TRIES = 5
 FENCED_MARKER = "idempo-fenced"
 
 
@@ -50,42 +49,7 @@ def pyformat(sql: str) -> str:
     return _NAMED_PARAM.sub(r"%(\1)s", sql.replace("%", "%%"))
 
 
-def drive(gen: Generator[Any, Any, T], execute: Callable[[Any], Any]) -> T:
-    """Run a generator of I/O operations to its result with a synchronous executor.
-
-    A failed operation is thrown back into the generator, so its ``except`` clauses see it.
-    """
-    try:
-        op = next(gen)
-        while True:
-            try:
-                result = execute(op)
-            except BaseException as exc:  # noqa: BLE001 - the generator decides
-                op = gen.throw(exc)
-            else:
-                op = gen.send(result)
-    except StopIteration as stop:
-        value: T = stop.value
-        return value
-
-
-async def adrive(gen: Generator[Any, Any, T], execute: Callable[[Any], Awaitable[Any]]) -> T:
-    """The asynchronous twin of `drive`."""
-    try:
-        op = next(gen)
-        while True:
-            try:
-                result = await execute(op)
-            except BaseException as exc:  # noqa: BLE001 - the generator decides
-                op = gen.throw(exc)
-            else:
-                op = gen.send(result)
-    except StopIteration as stop:
-        value: T = stop.value
-        return value
-
-
-_COLUMNS = (
+COLUMNS = (
     "principal, operation, idem_key, fingerprint, state, token, lease_expires_at, response,"
     " created_at, updated_at, expires_at, recovery_point"
 )
@@ -134,7 +98,8 @@ class SqlDialect:
     ``now`` is fixed to the host's first (`fix_now`).
 
     **Tokens.** Fresh tokens come from a counter shared by the whole table that never goes
-    back (`next_token`: a sequence, or SQLite's counter row), and a takeover's token is the
+    back (`next_token`: a sequence, or SQLite's counter row with the host's time as a floor,
+    since a rolled-back reservation moves that row back), and a takeover's token is the
     larger of the old token plus one and the counter's next value. So a scope's tokens only
     grow even when its record is deleted and made again (purge, expiry, `evict`): a holder
     stalled past all that never matches a later holder (SPEC §2 rule 8).
@@ -263,12 +228,12 @@ class SqlDialect:
             f" WHERE {condition}{_WHERE_SCOPE} AND (r.expires_at <= {now}"
             f" OR (r.state = 'in_progress' AND r.lease_expires_at <= {now}"
             " AND r.fingerprint = :fingerprint))"
-            f" RETURNING {_COLUMNS}"
+            f" RETURNING {COLUMNS}"
         )
 
     @cached_property
     def select_sql(self) -> str:
-        return f"SELECT {_COLUMNS} FROM {self.table} WHERE {self.where_scope}"
+        return f"SELECT {COLUMNS} FROM {self.table} WHERE {self.where_scope}"
 
     @cached_property
     def settle_update(self) -> str:
@@ -339,6 +304,9 @@ class SqlDialect:
                 raise TypeError("the fingerprint or recovery point is not text")
             if isinstance(token, bool) or not isinstance(token, int) or token < 1:
                 raise ValueError(f"token {token!r}")
+            if lease is None and state == Status.IN_PROGRESS.value:
+                # Nothing could take it over (no lease to end) and no holder will settle it.
+                raise ValueError("an in-progress record without a lease")
             return Record(
                 scope=scope,
                 fingerprint=fp,
@@ -367,6 +335,19 @@ class SqlDialect:
         rows = yield Statement(f"{self.renew_update} RETURNING token", self.renew_params(op))
         if not rows:
             raise FencedError(f"cannot renew key {op.scope.key!r}: token {op.token} is stale")
+
+    @cached_property
+    def lock_sql(self) -> str:
+        return (
+            f"SELECT token FROM {self.table} WHERE {self.where_scope}"
+            " AND token = :token AND state = 'in_progress' FOR UPDATE"
+        )
+
+    def lock(self, op: Renew) -> SqlGen[bool]:
+        """Take the record's row lock in the transaction this runs in, fenced on the token:
+        True if the record is still this holder's (leased mode on the app's connection)."""
+        params = {**self.scope_params(op.scope), "token": op.token}
+        return bool((yield Statement(self.lock_sql, params)))
 
     def get(self, scope: Scope) -> SqlGen[Record | None]:
         rows = yield Statement(self.select_sql, self.scope_params(scope))
@@ -409,198 +390,3 @@ class SqlDialect:
         if row[0]:
             return Acquired(token=int(row[6]), recovery_point=row[12])
         return judge(self.record(row[1:-1], op.scope), op.fingerprint, self.py_time(row[-1]))
-
-
-class PostgresDialect(SqlDialect):
-    """PostgreSQL: reservation, takeover and the fallback read are one statement.
-
-    The server's clock is ``statement_timestamp()``: constant through the statement (so its
-    parts agree on one instant, unlike ``clock_timestamp()``) and taken when the statement
-    arrives, not when the app's transaction began (``now()`` would be as old as a long
-    transaction in transactional mode). A statement that waited on a row lock decides at
-    its arrival: never later than the truth, so a lease is never cut short by the wait.
-    """
-
-    name = "postgresql"
-    server_clock = "statement_timestamp()"
-
-    def __init__(self, table: str) -> None:
-        super().__init__(table)
-        self.sequence = self.tokens
-
-    def py_time(self, value: Any) -> datetime:
-        # timestamptz comes back in the session's TimeZone; a record's times are UTC.
-        result: datetime = value.astimezone(UTC)
-        return result
-
-    def db_span(self, value: timedelta) -> Any:
-        return value
-
-    def cast_time(self, name: str) -> str:
-        return f"CAST(:{name} AS timestamptz)"
-
-    def plus(self, time: str, span: str) -> str:
-        return f"({time} + CAST(:{span} AS interval))"
-
-    @property
-    def next_token(self) -> str:
-        # A missing sequence fails the statement, whatever path it takes, with the error a
-        # missing table gives (UndefinedTable): the store maps it to SchemaMissingError.
-        return f"nextval('{self.sequence}')"
-
-    def ddl(self) -> list[str]:
-        index = self.table.replace(".", "_") + "_expires_at"
-        return [
-            f"CREATE TABLE IF NOT EXISTS {self.table} ("
-            " principal text NOT NULL, operation text NOT NULL, idem_key text NOT NULL,"
-            " fingerprint text NOT NULL, state text NOT NULL, token bigint NOT NULL,"
-            " lease_expires_at timestamptz, response bytea,"
-            " created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL,"
-            " expires_at timestamptz NOT NULL, recovery_point text,"
-            " PRIMARY KEY (principal, operation, idem_key))"
-            # Room on each page for the one in-place update a record gets when it completes.
-            " WITH (fillfactor = 80)",
-            f"CREATE INDEX IF NOT EXISTS {index.rsplit('.', 1)[-1]} ON {self.table} (expires_at)",
-            # The token sequence, made once. On a table that already has records (an install
-            # from before it) it starts past their largest token. The table lock keeps every
-            # reservation out meanwhile (they take ROW EXCLUSIVE before calling nextval), so
-            # no token is handed out between reading the largest and setting the sequence.
-            f"DO $idempo$ BEGIN IF to_regclass('{self.sequence}') IS NULL THEN"
-            f" LOCK TABLE {self.table} IN SHARE ROW EXCLUSIVE MODE;"
-            f" CREATE SEQUENCE IF NOT EXISTS {self.sequence} AS bigint;"
-            f" PERFORM setval('{self.sequence}', greatest(m, s.last_value))"
-            f" FROM (SELECT max(token) AS m FROM {self.table}) AS r, {self.sequence} AS s"
-            " WHERE m > 0;"
-            " END IF; END $idempo$",
-        ]
-
-    @cached_property
-    def reserve_sql(self) -> str:
-        # One round trip for every case, and one index lookup for a replay: the insert and
-        # the takeover only run when what the first read found calls for them (their guards
-        # do not depend on the row, so PostgreSQL checks them once, before any scan). All
-        # parts see the snapshot taken when the statement started, so a duplicate that
-        # committed while we waited on its row is invisible here: then no row comes back and
-        # the caller simply asks again. nextval runs only for a row being written.
-        now = self.now
-        takeover_allowed = (
-            f"EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= {now}"
-            f" OR (e.state = 'in_progress' AND e.lease_expires_at <= {now}"
-            " AND e.fingerprint = :fingerprint)) AND "
-        )
-        insert = (
-            f"INSERT INTO {self.table} AS r ({self.insert_columns})"
-            f" SELECT {self.insert_values} WHERE NOT EXISTS (SELECT 1 FROM existing)"
-            f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}"
-        )
-        return (
-            f"WITH existing AS ({self.select_sql}),"
-            f" inserted AS ({insert}),"
-            f" taken AS ({self.takeover_where(takeover_allowed)})"
-            f" SELECT true, {_COLUMNS}, {now} FROM inserted"
-            f" UNION ALL SELECT true, {_COLUMNS}, {now} FROM taken"
-            f" UNION ALL SELECT false, {_COLUMNS}, {now} FROM existing"
-            " WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)"
-        )
-
-    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
-        params = self.reserve_params(op)
-        for _ in range(_RESERVE_TRIES):
-            rows = yield Statement(self.reserve_sql, params)
-            reservation = self.judge_rows(rows, op)
-            if reservation is not None:
-                return reservation
-        return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))
-
-    @cached_property
-    def settle_sql(self) -> str:
-        # A stale token must abort the transaction it runs in, even when COMMIT was pipelined
-        # right behind it; SQL has no RAISE, so a failing cast carries the error.
-        return (
-            f"WITH settled AS ({self.settle_update} RETURNING token)"
-            " SELECT CASE WHEN EXISTS (SELECT 1 FROM settled) THEN 1"
-            # The same settle again (a retry whose answer was lost) succeeds unchanged.
-            f" WHEN EXISTS ({self.settled_sql}) THEN 1"
-            f" ELSE CAST(concat('{FENCED_MARKER}: stale token for key ', :key) AS integer) END"
-        )
-
-    def settle(self, op: Settle) -> SqlGen[None]:
-        yield Statement(self.settle_sql, self.settle_params(op), fetch=False)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-class SQLiteDialect(SqlDialect):
-    """SQLite: the same steps as separate statements inside one write transaction.
-
-    Times are integer microseconds since the epoch, so comparisons are exact. The token
-    counter is a one-row table, read by the reservation and moved inside its transaction.
-    """
-
-    name = "sqlite"
-    greatest = "max"
-    purge_lock = ""  # one writer at a time: nothing to race with
-
-    def db_time(self, value: datetime) -> Any:
-        return (value - _EPOCH) // timedelta(microseconds=1)
-
-    def py_time(self, value: Any) -> datetime:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"time {value!r} is not an integer")
-        return _EPOCH + timedelta(microseconds=value)
-
-    @property
-    def next_token(self) -> str:
-        return f"(SELECT value + 1 FROM {self.tokens})"
-
-    def ddl(self) -> list[str]:
-        return [
-            f"CREATE TABLE IF NOT EXISTS {self.table} ("
-            " principal TEXT NOT NULL, operation TEXT NOT NULL, idem_key TEXT NOT NULL,"
-            " fingerprint TEXT NOT NULL, state TEXT NOT NULL, token INTEGER NOT NULL,"
-            " lease_expires_at INTEGER, response BLOB,"
-            " created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,"
-            " expires_at INTEGER NOT NULL, recovery_point TEXT,"
-            " PRIMARY KEY (principal, operation, idem_key)) WITHOUT ROWID",
-            f"CREATE INDEX IF NOT EXISTS {self.table}_expires_at ON {self.table} (expires_at)",
-            f"CREATE TABLE IF NOT EXISTS {self.tokens} (value INTEGER NOT NULL)",
-            # One row, made once; on an install from before it, past the largest token.
-            f"INSERT INTO {self.tokens} (value) SELECT coalesce(max(token), 0)"
-            f" FROM {self.table} WHERE NOT EXISTS (SELECT 1 FROM {self.tokens})",
-        ]
-
-    @cached_property
-    def insert_sql(self) -> str:
-        return (
-            f"INSERT INTO {self.table} ({self.insert_columns}) VALUES ({self.insert_values})"
-            f" ON CONFLICT DO NOTHING RETURNING {_COLUMNS}"
-        )
-
-    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
-        # Callers run this inside one write transaction, so the steps are atomic.
-        op = self.fix_now(op)
-        assert op.now is not None
-        params = self.reserve_params(op)
-        rows = yield Statement(self.insert_sql, params)
-        if not rows:
-            rows = yield Statement(self.takeover_sql, params)
-        if rows:
-            token = int(rows[0][5])
-            yield Statement(
-                f"UPDATE {self.tokens} SET value = :token WHERE value < :token",
-                {"token": token},
-                fetch=False,
-            )
-            return Acquired(token=token, recovery_point=rows[0][11])
-        rows = yield Statement(self.select_sql, self.scope_params(op.scope))
-        if not rows:
-            return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))
-        record = self.record(rows[0], op.scope)
-        return judge(record, op.fingerprint, op.now) or InProgress(retry_after=0.0)
-
-    def settle(self, op: Settle) -> SqlGen[None]:
-        op = self.fix_now(op)
-        rows = yield Statement(f"{self.settle_update} RETURNING token", self.settle_params(op))
-        if not rows:
-            yield from self.settled_already(op)

@@ -1,0 +1,82 @@
+"""How the guard stores an HTTP response and replays it: the `Codec` every adapter uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._core.keys import evict_hint
+from .._core.record import Record, Status
+from ..errors import CorruptRecordError
+from .problems import problem
+from .response import HttpResponse, UnkeptResponse, decode_response, encode_response
+
+Classifier = Callable[[int], Status | None]
+"""Decides what a response status means: COMPLETED or FAILED (stored and replayed), or None
+(transient: the key is released and a retry executes again)."""
+
+_TRANSIENT_4XX = frozenset({408, 409, 425, 429})
+
+
+def classify_status(status: int) -> Status | None:
+    """SPEC §2 rule 7: 2xx/3xx completed; 4xx failed (replayed) except 408, 409, 425 and
+    429; 5xx (and anything else) transient.
+
+    >>> classify_status(201), classify_status(404), classify_status(429), classify_status(503)
+    (<Status.COMPLETED: 'completed'>, <Status.FAILED: 'failed'>, None, None)
+    """
+    if 200 <= status < 400:
+        return Status.COMPLETED
+    if 400 <= status < 500 and status not in _TRANSIENT_4XX:
+        return Status.FAILED
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCodec:
+    """How the guard stores an HTTP response and replays it (the `Codec` for HTTP).
+
+    The block's result is an `HttpResponse` (stored per ``classify``), an `UnkeptResponse`
+    (recorded as a FAILED 500 problem if its status would have been stored, so a retry does
+    not execute again), or None (the app sent no whole response: the key is released).
+    Exceptions release the key.
+    """
+
+    classify: Classifier = field(default=classify_status)
+
+    def encode_result(self, value: Any) -> tuple[Status | None, bytes]:
+        if isinstance(value, HttpResponse):
+            status = self.classify(value.status)
+            return status, (encode_response(value.shareable()) if status is not None else b"")
+        if isinstance(value, UnkeptResponse) and self.classify(value.status) is not None:
+            detail = (
+                f"The request was processed and answered {value.status}, but its response "
+                f"({value.size} bytes or more) was over the {value.limit}-byte limit for "
+                "storage, so it cannot be replayed. Do not retry this key."
+            )
+            return Status.FAILED, encode_response(_not_stored(detail))
+        return None, b""
+
+    def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
+        return None, b""
+
+    def encode_unstorable(self, exc: Exception) -> bytes:
+        detail = (
+            f"The request was processed, but its response could not be stored ({exc}), "
+            "so it cannot be replayed. Do not retry this key."
+        )
+        return encode_response(_not_stored(detail))
+
+    def decode(self, record: Record) -> HttpResponse:
+        try:
+            if record.response is None:
+                raise CorruptRecordError("the record holds no response to replay")
+            return decode_response(record.response)
+        except CorruptRecordError as exc:
+            # Nothing runs and nothing is replayed until an operator evicts the record.
+            raise CorruptRecordError(f"{exc}; evict it: {evict_hint(record.scope)}") from exc
+
+
+def _not_stored(detail: str) -> HttpResponse:
+    return problem(500, "response-not-stored", "Response not stored", detail)

@@ -1,0 +1,152 @@
+"""The request fingerprint (SPEC §1): canonical bytes of method, path, query, body (JSON
+per RFC 8785) and any headers the app names."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import json.encoder
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .._core.fingerprint import canonical_bytes
+from ..errors import InvalidPayloadError
+from .keys import Header, header_values
+
+# A string as a JSON literal with ASCII escapes: what json.dumps writes with ensure_ascii.
+_ascii_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
+
+FingerprintField = Literal["method", "path", "query", "body"]
+DEFAULT_FINGERPRINT_FIELDS: tuple[FingerprintField, ...] = ("method", "path", "query", "body")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """What a fingerprint can be made of, whatever the framework."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: Sequence[Header]
+    body: bytes
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
+
+
+def _canonical_body(body: bytes, content_type: bytes) -> bytes:
+    """RFC 8785 bytes for a JSON body, so ``{"a": 1}`` and ``{ "a":1 }`` are one request;
+    other bodies as sent, and so is JSON that does not parse or has no RFC 8785 form (invalid
+    UTF-8, a lone surrogate, ``1e400``, an integer over 4,300 digits, nesting deeper than
+    Python's parser goes): the app refuses or reads those itself, and raw bytes only ever
+    make two requests differ, never alike.
+
+    A parsed document is canonicalised at any depth (`canonical_bytes` does not recurse).
+    """
+    if not body or not _is_json(content_type):
+        return body
+    try:
+        return canonical_bytes(json_loads(body))
+    except (ValueError, InvalidPayloadError, RecursionError):
+        return body
+
+
+_DECODER = json.JSONDecoder()
+
+
+def json_loads(data: bytes) -> Any:
+    """``json.loads(data)``, with less work for the usual document: UTF-8 (json.loads's
+    encoding detection picks it for any document that starts with ``{`` or ``[`` followed by
+    a non-NUL byte) and nothing after it. Anything else takes json.loads itself."""
+    first = data[:1]
+    if first in (b"{", b"[") and data[1:2] != b"\x00":
+        try:
+            text = data.decode("utf-8", "surrogatepass")
+            value, end = _DECODER.raw_decode(text)
+        except ValueError:
+            pass  # json.loads raises its own error below
+        else:
+            if end == len(text):
+                return value
+    return json.loads(data)
+
+
+def canonical_request(
+    request: HttpRequest,
+    *,
+    fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
+    headers: Collection[str] = (),
+) -> bytes:
+    """The canonical bytes of a request: what its fingerprint is the SHA-256 of.
+
+    A JSON document naming each part (sorted keys, ASCII escapes: one spelling per request),
+    so no two requests' parts can run together. Only the body needs RFC 8785, which the
+    document holds as the SHA-256 of the body's canonical form; the envelope is plain strings
+    (json.dumps's bytes). ``headers`` names the request headers that count too
+    (case-insensitive; all their values, in order).
+
+    >>> json_type = [(b"content-type", b"application/json")]
+    >>> a = HttpRequest("POST", "/pay", b"", json_type, b'{"a":1}')
+    >>> b = HttpRequest("POST", "/pay", b"", json_type, b'{ "a": 1 }')
+    >>> canonical_request(a) == canonical_request(b)
+    True
+    """
+    return canonical_parts(
+        request.method, request.path, request.query, request.headers, request.body, fields, headers
+    )
+
+
+def canonical_parts(
+    method: str,
+    path: str,
+    query: bytes,
+    request_headers: Sequence[Header],
+    request_body: bytes,
+    fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
+    headers: Collection[str] = (),
+) -> bytes:
+    """`canonical_request` of a request given in parts, for adapters that would otherwise
+    build an `HttpRequest` on every request only to take it apart here."""
+    parts: dict[str, Any] = {}
+    # Filled in sort_keys order: body, headers, method, path, query, v.
+    if "body" in fields:
+        content_type = b", ".join(header_values(request_headers, b"content-type"))
+        body = _canonical_body(request_body, content_type)
+        parts["body"] = hashlib.sha256(body).hexdigest()
+    if headers:
+        parts["headers"] = {
+            name.lower(): [
+                value.decode("latin-1")
+                for value in header_values(request_headers, name.lower().encode("latin-1"))
+            ]
+            for name in headers
+        }
+    if "method" in fields:
+        parts["method"] = method.upper()
+    if "path" in fields:
+        parts["path"] = path
+    if "query" in fields:
+        parts["query"] = query.decode("latin-1")
+    if headers:
+        parts["v"] = 1
+        return json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    # Only strings and the version: the document json.dumps would write (keys in sorted
+    # order, each string escaped by the same function), without building an encoder.
+    members = [f'"{name}":{_ascii_string(value)}' for name, value in parts.items()]
+    members.append('"v":1')
+    return ("{" + ",".join(members) + "}").encode()
+
+
+def request_fingerprint(
+    request: HttpRequest,
+    *,
+    fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
+    headers: Collection[str] = (),
+) -> str:
+    """Hex SHA-256 of `canonical_request`: the fingerprint a record keeps for this request."""
+    return hashlib.sha256(canonical_request(request, fields=fields, headers=headers)).hexdigest()

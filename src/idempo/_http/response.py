@@ -1,0 +1,126 @@
+"""A response as idempo keeps it: what may be stored and replayed, and its stored form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CorruptRecordError
+from .fingerprint import _ascii_string, json_loads
+from .keys import Header
+
+REPLAYED_HEADER = b"idempotent-replayed"
+
+# RFC 9110 §7.6.1 hop-by-hop fields, plus the obsolete ones proxies still send. A replay
+# travels over a new connection, so the first connection's fields mean nothing there.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# A session cookie set for the first caller must not be handed to whoever replays, nor kept
+# in the store at all.
+_PRIVATE = frozenset({b"set-cookie"})
+_NOT_SHAREABLE = _HOP_BY_HOP | _PRIVATE
+_NOT_REPLAYED = _NOT_SHAREABLE | {REPLAYED_HEADER}
+
+_STORED_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    """A whole response: status, headers as sent, body bytes."""
+
+    status: int
+    headers: tuple[Header, ...] = ()
+    body: bytes = b""
+
+    def shareable(self) -> HttpResponse:
+        """This response without hop-by-hop fields and ``Set-Cookie``: what may be stored and
+        replayed to a later request."""
+        kept = _kept(self.headers, _NOT_SHAREABLE)
+        if len(kept) == len(self.headers):
+            return self  # immutable: nothing to drop, nothing to copy
+        return HttpResponse(self.status, kept, self.body)
+
+    def replay(self, *, status_200: bool = False) -> HttpResponse:
+        """The answer to a duplicate: this response, shareable, plus ``Idempotent-Replayed``.
+
+        Args:
+            status_200: answer 200 instead of a stored 2xx status (the body stays the same).
+        """
+        headers = _kept(self.headers, _NOT_REPLAYED)
+        status = 200 if status_200 and 200 <= self.status < 300 else self.status
+        return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), self.body)
+
+
+def _kept(headers: tuple[Header, ...], dropped: frozenset[bytes]) -> tuple[Header, ...]:
+    """``headers`` without the fields named in ``dropped`` or in a ``Connection`` field."""
+    names = [name.lower() for name, _ in headers]
+    if b"connection" in names:
+        dropped = dropped | {
+            token.strip().lower()
+            for name, (_, value) in zip(names, headers, strict=True)
+            if name == b"connection"
+            for token in value.split(b",")
+        }
+    elif dropped.isdisjoint(names):
+        return headers  # the usual case: nothing to drop
+    return tuple(item for name, item in zip(names, headers, strict=True) if name not in dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class UnkeptResponse:
+    """A response that was sent to the client but was too large to store."""
+
+    status: int
+    size: int
+    limit: int
+
+
+def encode_response(response: HttpResponse) -> bytes:
+    """The stored form: one line of JSON (format version, status, headers), then the body.
+
+    Header bytes travel as Latin-1 text, which maps every byte to one character and back,
+    so a replay is byte-identical; the body follows the newline untouched.
+    """
+    # Written out rather than through json.dumps (which builds an encoder per call): the
+    # same bytes, as the format's test checks. ASCII escapes keep the line free of raw
+    # newlines whatever the headers hold.
+    headers = ",".join(
+        [
+            f"[{_ascii_string(name.decode('latin-1'))},{_ascii_string(value.decode('latin-1'))}]"
+            for name, value in response.headers
+        ]
+    )
+    head = f'{{"v":{_STORED_FORMAT_VERSION},"status":{int(response.status)},"headers":[{headers}]}}'
+    return head.encode() + b"\n" + response.body
+
+
+def decode_response(data: bytes) -> HttpResponse:
+    """The response `encode_response` stored.
+
+    Raises:
+        CorruptRecordError: ``data`` is not a stored response of this format.
+    """
+    head_line, newline, body = data.partition(b"\n")
+    try:
+        head = json_loads(head_line)
+        if not newline or head.get("v") != _STORED_FORMAT_VERSION:
+            raise ValueError(f"stored response format {head.get('v')!r}")
+        headers = tuple(
+            [(name.encode("latin-1"), value.encode("latin-1")) for name, value in head["headers"]]
+        )
+        status = int(head["status"])
+        if not 100 <= status <= 999:  # what an HTTP status line can carry
+            raise ValueError(f"status {status}")
+        return HttpResponse(status, headers, body)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise CorruptRecordError(f"the stored response cannot be read: {exc}") from exc

@@ -1,0 +1,79 @@
+"""The HTTP lifecycle for framework adapters: what idempo's own middlewares are written on.
+
+An adapter translates its framework's request into an `Incoming`, asks `Lifecycle` for the
+key, lets `reserve` (thread-per-request servers) or `areserve` (asyncio) reserve it, runs
+the handler and settles the `Run` / `AsyncRun` with the whole response. Every option is one
+of `HttpOptions`; `HttpSettings` checks them. docs/extending.md, "Writing a framework
+adapter", walks through `idempo.contrib.aiohttp` as the worked example::
+
+    lifecycle = Lifecycle(HttpSettings(options, owner="Mine", asynchronous=True), routes)
+    named = headers_named(headers, READ_HEADERS)
+    key = lifecycle.key(named.get(KEY_HEADER, []))    # str, an HttpResponse (400), None
+"""
+
+from __future__ import annotations
+
+from ._http.keys import KEY_HEADER, Header, header_values, headers_named
+from ._http.lifecycle import (
+    READ_HEADERS,
+    AsyncRun,
+    Incoming,
+    Lifecycle,
+    Request,
+    Run,
+    Unguarded,
+    areserve,
+    read_limited,
+    reserve,
+)
+from ._http.options import DEFAULT_BODY_LIMIT, HttpOptions, HttpSettings, ShowsOptions
+from ._http.response import HttpResponse, UnkeptResponse
+from ._http.routes import NO_ROUTE, NoRoute, RouteTemplate
+from ._reexport import publish
+
+__all__ = [
+    "DEFAULT_BODY_LIMIT",
+    "KEY_HEADER",
+    "NO_ROUTE",
+    "READ_HEADERS",
+    "AsyncRun",
+    "Header",
+    "HttpOptions",
+    "HttpResponse",
+    "HttpSettings",
+    "Incoming",
+    "Lifecycle",
+    "NoRoute",
+    "Request",
+    "RouteTemplate",
+    "Run",
+    "ShowsOptions",
+    "Unguarded",
+    "UnkeptResponse",
+    "areserve",
+    "header_values",
+    "headers_named",
+    "read_limited",
+    "reserve",
+]
+
+publish(
+    __name__,
+    AsyncRun,
+    HttpOptions,
+    HttpResponse,
+    HttpSettings,
+    Incoming,
+    Lifecycle,
+    NoRoute,
+    Request,
+    Run,
+    ShowsOptions,
+    Unguarded,
+    UnkeptResponse,
+    areserve,
+    header_values,
+    headers_named,
+    read_limited,
+    reserve,
+)

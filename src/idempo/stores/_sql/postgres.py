@@ -1,0 +1,146 @@
+"""PostgreSQL's statements: reservation, takeover and the fallback read in one statement."""
+
+from __future__ import annotations
+
+import operator
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from typing import Any
+
+from ..._core.ops import Reserve, Settle
+from ..._core.record import InProgress, Reservation
+from .dialect import COLUMNS, FENCED_MARKER, RESERVE_TRIES, SqlDialect, SqlGen, Statement
+
+# PostgreSQL's lock timeout for the reservation's statements only, shared by the psycopg and
+# SQLAlchemy executors: the app's statements after it wait as the connection says. The app's
+# setting is kept meanwhile in a variable of the transaction (the subquery runs first).
+PG_SET_LOCK_TIMEOUT = (
+    "SELECT set_config('lock_timeout', :ms, true) FROM (SELECT set_config("
+    "'idempo.lock_timeout', current_setting('lock_timeout'), true)) AS saved"
+)
+PG_AGAIN_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', :ms, true)"
+PG_RESTORE_LOCK_TIMEOUT = (
+    "SELECT set_config('lock_timeout', current_setting('idempo.lock_timeout'), true)"
+)
+
+
+def pg_ms(timeout: timedelta) -> str:
+    """A lock timeout as PostgreSQL's setting (0 would mean no limit: 1 ms at least)."""
+    return f"{max(1, int(timeout.total_seconds() * 1000))}ms"
+
+
+class PostgresDialect(SqlDialect):
+    """PostgreSQL: reservation, takeover and the fallback read are one statement.
+
+    The server's clock is ``statement_timestamp()``: constant through the statement (so its
+    parts agree on one instant, unlike ``clock_timestamp()``) and taken when the statement
+    arrives, not when the app's transaction began (``now()`` would be as old as a long
+    transaction in transactional mode). A statement that waited on a row lock decides at
+    its arrival: never later than the truth, so a lease is never cut short by the wait.
+    """
+
+    name = "postgresql"
+    server_clock = "statement_timestamp()"
+
+    def __init__(self, table: str) -> None:
+        super().__init__(table)
+        self.sequence = self.tokens
+
+    def py_time(self, value: Any) -> datetime:
+        # timestamptz comes back in the session's TimeZone; a record's times are UTC.
+        result: datetime = value.astimezone(UTC)
+        return result
+
+    # Durations go as intervals, unchanged: a builtin (no Python frame on the hot path).
+    db_span = staticmethod(operator.pos)  # type: ignore[assignment]
+
+    def cast_time(self, name: str) -> str:
+        return f"CAST(:{name} AS timestamptz)"
+
+    def plus(self, time: str, span: str) -> str:
+        return f"({time} + CAST(:{span} AS interval))"
+
+    @property
+    def next_token(self) -> str:
+        # A missing sequence fails the statement, whatever path it takes, with the error a
+        # missing table gives (UndefinedTable): the store maps it to SchemaMissingError.
+        return f"nextval('{self.sequence}')"
+
+    def ddl(self) -> list[str]:
+        index = self.table.replace(".", "_") + "_expires_at"
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self.table} ("
+            " principal text NOT NULL, operation text NOT NULL, idem_key text NOT NULL,"
+            " fingerprint text NOT NULL, state text NOT NULL, token bigint NOT NULL,"
+            " lease_expires_at timestamptz, response bytea,"
+            " created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL,"
+            " expires_at timestamptz NOT NULL, recovery_point text,"
+            " PRIMARY KEY (principal, operation, idem_key))"
+            # Room on each page for the one in-place update a record gets when it completes.
+            " WITH (fillfactor = 80)",
+            f"CREATE INDEX IF NOT EXISTS {index.rsplit('.', 1)[-1]} ON {self.table} (expires_at)",
+            # The token sequence, made once. On a table that already has records (an install
+            # from before it) it starts past their largest token. The table lock keeps every
+            # reservation out meanwhile (they take ROW EXCLUSIVE before calling nextval), so
+            # no token is handed out between reading the largest and setting the sequence.
+            f"DO $idempo$ BEGIN IF to_regclass('{self.sequence}') IS NULL THEN"
+            f" LOCK TABLE {self.table} IN SHARE ROW EXCLUSIVE MODE;"
+            f" CREATE SEQUENCE IF NOT EXISTS {self.sequence} AS bigint;"
+            f" PERFORM setval('{self.sequence}', greatest(m, s.last_value))"
+            f" FROM (SELECT max(token) AS m FROM {self.table}) AS r, {self.sequence} AS s"
+            " WHERE m > 0;"
+            " END IF; END $idempo$",
+        ]
+
+    @cached_property
+    def reserve_sql(self) -> str:
+        # One round trip for every case, and one index lookup for a replay: the insert and
+        # the takeover only run when what the first read found calls for them (their guards
+        # do not depend on the row, so PostgreSQL checks them once, before any scan). All
+        # parts see the snapshot taken when the statement started, so a duplicate that
+        # committed while we waited on its row is invisible here: then no row comes back and
+        # the caller simply asks again. nextval runs only for a row being written.
+        now = self.now
+        takeover_allowed = (
+            f"EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= {now}"
+            f" OR (e.state = 'in_progress' AND e.lease_expires_at <= {now}"
+            " AND e.fingerprint = :fingerprint)) AND "
+        )
+        insert = (
+            f"INSERT INTO {self.table} AS r ({self.insert_columns})"
+            f" SELECT {self.insert_values} WHERE NOT EXISTS (SELECT 1 FROM existing)"
+            f" ON CONFLICT DO NOTHING RETURNING {COLUMNS}"
+        )
+        return (
+            f"WITH existing AS ({self.select_sql}),"
+            f" inserted AS ({insert}),"
+            f" taken AS ({self.takeover_where(takeover_allowed)})"
+            f" SELECT true, {COLUMNS}, {now} FROM inserted"
+            f" UNION ALL SELECT true, {COLUMNS}, {now} FROM taken"
+            f" UNION ALL SELECT false, {COLUMNS}, {now} FROM existing"
+            " WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)"
+        )
+
+    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
+        params = self.reserve_params(op)
+        for _ in range(RESERVE_TRIES):
+            rows = yield Statement(self.reserve_sql, params)
+            reservation = self.judge_rows(rows, op)
+            if reservation is not None:
+                return reservation
+        return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))
+
+    @cached_property
+    def settle_sql(self) -> str:
+        # A stale token must abort the transaction it runs in, even when COMMIT was pipelined
+        # right behind it; SQL has no RAISE, so a failing cast carries the error.
+        return (
+            f"WITH settled AS ({self.settle_update} RETURNING token)"
+            " SELECT CASE WHEN EXISTS (SELECT 1 FROM settled) THEN 1"
+            # The same settle again (a retry whose answer was lost) succeeds unchanged.
+            f" WHEN EXISTS ({self.settled_sql}) THEN 1"
+            f" ELSE CAST(concat('{FENCED_MARKER}: stale token for key ', :key) AS integer) END"
+        )
+
+    def settle(self, op: Settle) -> SqlGen[None]:
+        yield Statement(self.settle_sql, self.settle_params(op), fetch=False)

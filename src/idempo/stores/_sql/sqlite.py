@@ -1,0 +1,100 @@
+"""SQLite's statements: the steps of a reservation inside one write transaction."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from typing import Any
+
+from ..._core.ops import Renew, Reserve, Settle
+from ..._core.record import Acquired, InProgress, Reservation, judge
+from .dialect import COLUMNS, SqlDialect, SqlGen, Statement
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class SQLiteDialect(SqlDialect):
+    """SQLite: the same steps as separate statements inside one write transaction.
+
+    Times are integer microseconds since the epoch, so comparisons are exact. The token
+    counter is a one-row table, read by the reservation and moved inside its transaction;
+    a fresh token is also at least the reservation's time in microseconds (see
+    `next_token`).
+    """
+
+    name = "sqlite"
+    greatest = "max"
+    purge_lock = ""  # one writer at a time: nothing to race with
+
+    def db_time(self, value: datetime) -> Any:
+        return (value - _EPOCH) // timedelta(microseconds=1)
+
+    def py_time(self, value: Any) -> datetime:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"time {value!r} is not an integer")
+        return _EPOCH + timedelta(microseconds=value)
+
+    @property
+    def next_token(self) -> str:
+        # The counter row is moved inside the reservation's transaction, so a reservation
+        # that rolls back (transactional mode) moves it back too. The host's time in
+        # microseconds (the statement's ``now``) keeps a later reservation's token past
+        # every earlier one all the same, committed or not (SPEC §2 rule 8), as on Redis.
+        return f"max((SELECT value + 1 FROM {self.tokens}), :now)"
+
+    def ddl(self) -> list[str]:
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self.table} ("
+            " principal TEXT NOT NULL, operation TEXT NOT NULL, idem_key TEXT NOT NULL,"
+            " fingerprint TEXT NOT NULL, state TEXT NOT NULL, token INTEGER NOT NULL,"
+            " lease_expires_at INTEGER, response BLOB,"
+            " created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,"
+            " expires_at INTEGER NOT NULL, recovery_point TEXT,"
+            " PRIMARY KEY (principal, operation, idem_key)) WITHOUT ROWID",
+            f"CREATE INDEX IF NOT EXISTS {self.table}_expires_at ON {self.table} (expires_at)",
+            f"CREATE TABLE IF NOT EXISTS {self.tokens} (value INTEGER NOT NULL)",
+            # One row, made once; on an install from before it, past the largest token.
+            f"INSERT INTO {self.tokens} (value) SELECT coalesce(max(token), 0)"
+            f" FROM {self.table} WHERE NOT EXISTS (SELECT 1 FROM {self.tokens})",
+        ]
+
+    @cached_property
+    def insert_sql(self) -> str:
+        return (
+            f"INSERT INTO {self.table} ({self.insert_columns}) VALUES ({self.insert_values})"
+            f" ON CONFLICT DO NOTHING RETURNING {COLUMNS}"
+        )
+
+    def reserve(self, op: Reserve) -> SqlGen[Reservation]:
+        # Callers run this inside one write transaction, so the steps are atomic.
+        op = self.fix_now(op)
+        assert op.now is not None
+        params = self.reserve_params(op)
+        rows = yield Statement(self.insert_sql, params)
+        if not rows:
+            rows = yield Statement(self.takeover_sql, params)
+        if rows:
+            token = int(rows[0][5])
+            yield Statement(
+                f"UPDATE {self.tokens} SET value = :token WHERE value < :token",
+                {"token": token},
+                fetch=False,
+            )
+            return Acquired(token=token, recovery_point=rows[0][11])
+        rows = yield Statement(self.select_sql, self.scope_params(op.scope))
+        if not rows:
+            return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))
+        record = self.record(rows[0], op.scope)
+        return judge(record, op.fingerprint, op.now) or InProgress(retry_after=0.0)
+
+    def lock(self, op: Renew) -> SqlGen[bool]:
+        # The write lock is SQLite's only lock: the renewal's own write takes it.
+        op = self.fix_now(op)
+        rows = yield Statement(f"{self.renew_update} RETURNING token", self.renew_params(op))
+        return bool(rows)
+
+    def settle(self, op: Settle) -> SqlGen[None]:
+        op = self.fix_now(op)
+        rows = yield Statement(f"{self.settle_update} RETURNING token", self.settle_params(op))
+        if not rows:
+            yield from self.settled_already(op)

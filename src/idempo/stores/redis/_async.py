@@ -1,0 +1,191 @@
+"""`AsyncRedisStore`: the operations of `_ops`, carried out with ``redis.asyncio``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Generator
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.retry
+
+from ..._core.keys import Scope
+from ..._core.record import Record, Reservation, Status
+from ...errors import StoreUnavailableError
+from . import _ops
+from ._connect import connect
+from ._errors import ERRORS, translated, translating
+from ._ops import Batch, Call, Command, Run
+from ._protocol import Keys
+from ._scripts import SCRIPTS
+
+T = TypeVar("T")
+
+_CLASSES = (
+    redis.asyncio.Redis,
+    redis.asyncio.cluster.RedisCluster,
+    redis.asyncio.cluster.ClusterNode,
+    redis.asyncio.retry.Retry,
+)
+
+
+class AsyncRedisStore:
+    """The asynchronous twin of `RedisStore`, on ``redis.asyncio.Redis`` or
+    ``redis.asyncio.cluster.RedisCluster`` (which connects on first use).
+
+        store = AsyncRedisStore(client=redis.asyncio.cluster.RedisCluster(host="10.0.0.1"))
+
+    A reserve whose answer never came (the caller was cancelled, or the connection failed
+    after sending it) may have reserved all the same, with no one left to settle it: the store
+    undoes it in the background, by the reservation's nonce, so the key is not held for a
+    lease. `aclose` waits for those undos.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None = None,
+        prefix: str = "idempo",
+        expiry_grace: timedelta = timedelta(minutes=1),
+        **options: Any,
+    ) -> None:
+        built, self._owned = connect("AsyncRedisStore", url, client, options, _CLASSES)
+        self.client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster = built
+        self._keys = Keys(prefix, expiry_grace)
+        self._cluster = isinstance(built, redis.asyncio.cluster.RedisCluster)
+        # Until an asyncio cluster client has its slot map it sends scripts to a default node
+        # (redis-py 8): a first burst of calls then comes back MOVED, and past a few MOVED the
+        # client rebuilds its node table under the calls still in flight, failing some after
+        # their script ran. So the first call of a cluster store fetches the map first.
+        self._cold = self._cluster
+        self._scripts = {name: built.register_script(text) for name, text in SCRIPTS.items()}
+        self._undoing: set[asyncio.Task[None]] = set()
+
+    async def _drive(self, flow: Generator[Call, Any, T]) -> T:
+        """Carry out the calls ``flow`` yields; its result."""
+        if self._cold:
+            await self._warm()
+        try:
+            call = next(flow)
+            while True:
+                try:
+                    reply = await self._start(call)
+                except asyncio.CancelledError:
+                    self._undo(call)
+                    raise
+                except ERRORS as exc:
+                    error = translated(exc, call.scope)
+                    if isinstance(error, StoreUnavailableError):
+                        self._undo(call)
+                    raise error from exc
+                call = flow.send(reply)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+
+    def _start(self, call: Call) -> Awaitable[Any]:
+        """The awaitable that carries out ``call``: a script's or a command's own coroutine,
+        not one more coroutine around it (every await passes through each)."""
+        started: Awaitable[Any]
+        if isinstance(call, Run):
+            started = self._scripts[call.script](keys=[call.key], args=call.args)
+        elif isinstance(call, Command):
+            started = getattr(self.client, call.name)(*call.args, **call.options)
+        elif isinstance(call, Batch):
+            started = self._pipelined(call)
+        else:
+            started = self._primaries()
+        return started
+
+    async def _pipelined(self, batch: Batch) -> Any:
+        pipe = self.client.pipeline(transaction=False)
+        for each in batch.calls:
+            if isinstance(each, Run):
+                await self._scripts[each.script](keys=[each.key], args=each.args, client=pipe)
+            else:
+                getattr(pipe, each.name)(*each.args, **each.options)
+        return await pipe.execute(raise_on_error=batch.raise_on_error)
+
+    async def _primaries(self) -> Any:
+        assert isinstance(self.client, redis.asyncio.cluster.RedisCluster)
+        return self.client.get_primaries()  # the slot map is known: _drive warmed it
+
+    async def _warm(self) -> None:
+        assert isinstance(self.client, redis.asyncio.cluster.RedisCluster)
+        with translating():
+            await self.client.initialize()  # once; concurrent callers wait on redis-py's lock
+        self._cold = False
+
+    def _undo(self, call: Call) -> None:
+        """Undo in the background what ``call`` may have done with no one left to hear its
+        reply (the caller is being cancelled or has failed already). redis-py closed the
+        connection, so no pooled connection holds the reply."""
+        undo = _ops.undo(call)
+        if undo is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._best_effort(undo))
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+
+    async def _best_effort(self, call: Call) -> None:
+        # If Redis cannot be reached now, the reservation's lease ends it.
+        with contextlib.suppress(*ERRORS, OSError):
+            await self._start(call)
+
+    async def _drain(self) -> None:
+        """Wait for the undos under way (each bounded by the timeouts)."""
+        while self._undoing:
+            await asyncio.gather(*self._undoing, return_exceptions=True)
+
+    async def reserve(
+        self,
+        scope: Scope,
+        fingerprint: str,
+        *,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
+    ) -> Reservation:
+        return await self._drive(_ops.reserve(self._keys, scope, fingerprint, now, lease, ttl))
+
+    async def complete(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
+    ) -> None:
+        await self._drive(
+            _ops.settle(self._keys, scope, token, Status.COMPLETED, response, now, ttl)
+        )
+
+    async def fail(
+        self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
+    ) -> None:
+        await self._drive(_ops.settle(self._keys, scope, token, Status.FAILED, response, now, ttl))
+
+    async def release(self, scope: Scope, token: int) -> None:
+        await self._drive(_ops.release(self._keys, scope, token))
+
+    async def renew(
+        self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
+    ) -> None:
+        await self._drive(_ops.renew(self._keys, scope, token, now, lease))
+
+    async def get(self, scope: Scope) -> Record | None:
+        return await self._drive(_ops.get(self._keys, scope))
+
+    async def evict(self, scope: Scope) -> bool:
+        return await self._drive(_ops.evict(self._keys, scope))
+
+    async def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
+        return await self._drive(_ops.purge(self._keys, before, limit, self._cluster))
+
+    async def stats(self) -> dict[str, int]:
+        """How many records are in each state (a SCAN over the prefix)."""
+        return await self._drive(_ops.stats(self._keys, self._cluster))
+
+    async def aclose(self) -> None:
+        await self._drain()
+        if self._owned:
+            await self.client.aclose()
