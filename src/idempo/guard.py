@@ -25,9 +25,9 @@ import functools
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from datetime import timedelta
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -51,12 +51,14 @@ from ._core.flow import (
     StoreVerbs,
     Verbs,
     apump,
+    checkpoint,
     guarded_call,
     outlasting,
     performer,
     pump,
 )
-from ._core.keys import Scope, evict_hint
+from ._core.keys import Scope, derive_key, evict_hint
+from ._core.progress import Progress
 from ._core.record import Record, Status
 from ._core.renewal import Renewal, ThreadRenewal
 from .errors import (
@@ -151,10 +153,20 @@ class Attempt(Generic[T]):
         result: set it to the work's result before leaving the block; it is stored and
             replayed to every retry. (Typed ``T``: ``Attempt[Receipt]``; None until set.)
         token: this attempt's fencing token (None on a replay).
-        recovery_point: the last step a previous, taken-over attempt recorded, if any.
         lease_lost: True once a renewal was refused (a background one included): another
             attempt took the key over and this one's outcome will be refused. Long work
             checks it, or calls `renew`, before each step it cannot take back.
+        resumed: True when a previous attempt, taken over, had committed steps (`steps`).
+
+    Work made of steps (leased mode) records each one with `checkpoint` and skips the ones
+    already done with `needs`; a takeover after a crash resumes after the last recorded
+    step, with the state recorded with them (docs/recovery-points.md)::
+
+        with idem.once(order_id, operation="place-order", payload=order) as attempt:
+            if attempt.needs("charge"):
+                charge = psp.charge(order, key=attempt.downstream_key("charge"))
+                attempt.checkpoint("charge", {"charge_id": charge.id})
+            attempt.result = {"charge": attempt.state["charge_id"]}
     """
 
     result: T
@@ -172,8 +184,10 @@ class Attempt(Generic[T]):
         self.replayed = replayed
         self.result = result
         self.token = token
-        self.recovery_point = recovery_point
+        self.resumed = recovery_point is not None
+        self._progress = Progress.decode(recovery_point)
         self._renew: Callable[[], Any] | None = None
+        self._checkpoint: Callable[[str], Any] | None = None
         self._lost: FencedError | None = None
 
     def __repr__(self) -> str:
@@ -182,6 +196,69 @@ class Attempt(Generic[T]):
     @property
     def lease_lost(self) -> bool:
         return self._lost is not None
+
+    @property
+    def recovery_point(self) -> str | None:
+        """The last step recorded (by this attempt, or by one it took over from), if any."""
+        return self._progress.last
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The steps recorded so far, oldest first."""
+        return self._progress.steps
+
+    @property
+    def state(self) -> Mapping[str, Any]:
+        """What the recorded steps recorded with them (merged; read-only)."""
+        return MappingProxyType(dict(self._progress.state))
+
+    def needs(self, step: str) -> bool:
+        """True if ``step`` is still to do: no attempt recorded it (`checkpoint`)."""
+        return step not in self._progress.steps
+
+    def downstream_key(self, label: str) -> str:
+        """The key to send to the outside call named ``label`` (a PSP charge, a mail):
+        `derive_key` over this attempt's whole scope, the same on every retry and takeover
+        and distinct per principal and operation."""
+        scope = self.scope
+        return derive_key(scope.key, f"{label}|{scope.principal}|{scope.operation}")
+
+    def _next_point(self, step: str, state: Mapping[str, Any] | None) -> tuple[Progress, str]:
+        if self._checkpoint is None:
+            raise ConfigurationError(
+                "a replayed attempt records no steps: the work already ran"
+                if self.replayed
+                else "this attempt cannot record steps"
+            )
+        progress = self._progress.after(step, state)
+        point = progress.encode()
+        self._check_lease()
+        return progress, point
+
+    def checkpoint(self, step: str, state: Mapping[str, Any] | None = None) -> None:
+        """Record that ``step`` committed, with ``state`` (small, JSON: ids, not results)
+        merged into `state`, fenced on this attempt's token; it extends the lease too.
+
+        On the app's connection (``conn=`` with ``mode="leased"``) the step's own writes
+        commit in the same transaction as its record, and the next step's writes begin a
+        new one. On the store's own connection only the record is written: a step whose
+        effect is elsewhere passes `downstream_key` to that system, so that running it
+        again after a crash before its record is harmless there.
+
+        Raises:
+            FencedError: another attempt took the key over; nothing was recorded (and, on
+                the app's connection, the step's writes rolled back).
+            ConfigurationError: transactional mode (everything commits at the end, so a
+                crash leaves no step to resume), or a replayed attempt.
+            UnserializableResultError: ``state`` is not JSON, or the point is too large.
+        """
+        progress, point = self._next_point(step, state)
+        try:
+            self._checkpoint(point)  # type: ignore[misc] # set, per _next_point
+        except FencedError as exc:
+            self._lose(exc)
+            raise
+        self._progress = progress
 
     def renew(self) -> None:
         """Extend this attempt's lease (long work). Raises `FencedError` if it was lost: at
@@ -205,7 +282,8 @@ class Attempt(Generic[T]):
 
 
 class AsyncAttempt(Attempt[T]):
-    """The asynchronous twin of `Attempt`: ``await attempt.renew()``."""
+    """The asynchronous twin of `Attempt`: ``await attempt.renew()``, ``await
+    attempt.checkpoint(step, state)``."""
 
     async def renew(self) -> None:  # type: ignore[override]
         self._check_lease()
@@ -215,6 +293,17 @@ class AsyncAttempt(Attempt[T]):
             except FencedError as exc:
                 self._lose(exc)
                 raise
+
+    async def checkpoint(  # type: ignore[override]
+        self, step: str, state: Mapping[str, Any] | None = None
+    ) -> None:
+        progress, point = self._next_point(step, state)
+        try:
+            await outlasting(self._checkpoint(point))  # type: ignore[misc]
+        except FencedError as exc:
+            self._lose(exc)
+            raise
+        self._progress = progress
 
 
 class _Pending(Generic[T]):
@@ -227,6 +316,7 @@ class _Pending(Generic[T]):
     attempt: Attempt[T]
     _attempt_class: type[Attempt[Any]]
     _renewal_class: type[ThreadRenewal] | type[Renewal]
+    _run: Execute  # once the work runs: its recovery point is kept current for the flow
 
     def __init__(
         self,
@@ -256,7 +346,9 @@ class _Pending(Generic[T]):
                 recovery_point=step.recovery_point,
             )
             self._token = step.token
+            self._run = step
             attempt._renew = self._renew
+            attempt._checkpoint = self._checkpoint
             self.attempt = attempt
             if self._every is not None:
                 # Async: started in the task that runs the work; a lost lease cancels it.
@@ -276,6 +368,19 @@ class _Pending(Generic[T]):
     def _renew(self) -> Any:
         policy = self._policy
         return self._unit.renew(self._scope, self._token, now=policy.now(), lease=policy.lease)
+
+    def _checkpoint(self, point: str) -> Any:
+        policy = self._policy
+        verb = checkpoint(self._unit)
+        done = verb(self._scope, self._token, point, now=policy.now(), lease=policy.lease)
+        if inspect.isawaitable(done):
+            return self._checkpointed(done, point)
+        self._run.recovery_point = point
+        return done
+
+    async def _checkpointed(self, done: Awaitable[Any], point: str) -> None:
+        await done
+        self._run.recovery_point = point  # a transient failure now keeps it (flow.py)
 
 
 class Handle(_Pending[T]):

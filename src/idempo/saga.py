@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ._core.keys import step_key, validate_key
-from .guard import AsyncIdempotency, Idempotency
+from .guard import AsyncIdempotency, Idempotency, _AsyncOnce, _Once
 from .serializers import return_serializer
 from .stores.base import Mode
 
@@ -51,17 +51,19 @@ class _Saga:
         self.principal = principal
 
     def _once_args(
-        self, step: str, fn: Callable[..., Any], payload: Any, conn: Any, mode: Mode
+        self, step: str, fn: Callable[..., Any] | None, payload: Any, conn: Any, mode: Mode
     ) -> dict[str, Any]:
-        return {
+        args = {
             "key": step_key(self.saga_id, step),
             "operation": self.name,
             "payload": payload,
             "principal": self.principal,
             "conn": conn,
             "mode": mode,
-            "serializer": return_serializer(fn),
         }
+        if fn is not None:
+            args["serializer"] = return_serializer(fn)
+        return args
 
 
 class AsyncSaga(_Saga):
@@ -118,6 +120,15 @@ class AsyncSaga(_Saga):
         result: R = a.result
         return result
 
+    def once(
+        self, step: str, payload: Any, *, conn: Any = None, mode: Mode = "transactional"
+    ) -> _AsyncOnce[Any]:
+        """The guarded block of ``step`` itself, for a step made of phases that records each
+        one (``await attempt.checkpoint(phase)``, leased mode) and resumes after the last
+        on redelivery; ``async with saga.once("ship", order) as attempt:``. The result is
+        what `step` of the same name replays."""
+        return self.idempotency.once(**self._once_args(step, None, payload, conn, mode))
+
 
 class Saga(_Saga):
     """The synchronous twin of `AsyncSaga`.
@@ -145,3 +156,9 @@ class Saga(_Saga):
                 a.result = fn(payload)
         result: R = a.result
         return result
+
+    def once(
+        self, step: str, payload: Any, *, conn: Any = None, mode: Mode = "transactional"
+    ) -> _Once[Any]:
+        """The guarded block of ``step`` itself; see `AsyncSaga.once`."""
+        return self.idempotency.once(**self._once_args(step, None, payload, conn, mode))

@@ -3,7 +3,8 @@
 The flow yields operations and receives their results (as httpx's auth flows do). It does no
 I/O itself, so the sync and async drivers below are the only places that differ.
 
-    Reserve ──► Acquired ──► Execute ──► Complete | Fail | Release
+    Reserve ──► Acquired ──► Execute ──► Complete | Fail | Release (or, once steps
+            │                              committed, Checkpoint: the lease ends, they stay)
             ├─► Replay   ──► return the stored record
             ├─► Mismatch ──► FingerprintMismatchError
             └─► InProgress ─► RequestInProgressError, or Sleep and Reserve again (policy.wait)
@@ -25,6 +26,7 @@ from types import CodeType
 from typing import Any, Protocol, cast
 
 from ..errors import (
+    ConfigurationError,
     FingerprintMismatchError,
     IdempotencyError,
     RequestInProgressError,
@@ -34,7 +36,7 @@ from ..errors import (
 )
 from ..policy import Policy
 from .keys import Scope
-from .ops import Discard, Release, Renew, Reserve, Settle, StoreOp
+from .ops import Checkpoint, Discard, Release, Renew, Reserve, Settle, StoreOp
 from .record import Acquired, InProgress, Mismatch, Record, Replay, Status
 
 # How often a caller told to wait re-checks a key that is in progress, at most.
@@ -44,6 +46,10 @@ _POLL_SECONDS = 0.05
 # Not frozen, as the ops in ops.py: made on every call, never changed.
 @dataclass(slots=True)
 class Execute:
+    """Run the work. ``recovery_point``: the steps a taken-over attempt committed, then
+    whatever this attempt's checkpoints recorded (the guard keeps it current), so that a
+    transient failure ends the lease instead of forgetting them."""
+
     token: int
     recovery_point: str | None
 
@@ -53,7 +59,7 @@ class Sleep:
     seconds: float
 
 
-Op = Reserve | Execute | Settle | Release | Discard | Sleep
+Op = Reserve | Execute | Settle | Release | Checkpoint | Discard | Sleep
 
 
 @dataclass(slots=True)
@@ -92,20 +98,21 @@ def guarded_call(
     if not isinstance(reservation, Acquired):
         return reservation.record
     token = reservation.token
+    run = Execute(token, reservation.recovery_point)
     try:
-        value = yield Execute(token, reservation.recovery_point)
+        value = yield run
     except GeneratorExit:
         raise
     except BaseException as exc:
-        yield from _abandon(scope, token, codec, policy, exc)
+        yield from _abandon(scope, run, codec, policy, exc)
         raise
     try:
         status, body = _encoded(codec, value, policy)
     except IdempotencyError as exc:
-        yield from _abandon(scope, token, codec, policy, exc, unstorable=True)
+        yield from _abandon(scope, run, codec, policy, exc, unstorable=True)
         raise
     try:
-        yield _outcome(scope, token, status, body, policy)
+        yield _outcome(scope, run, status, body, policy)
     except TransactionOwnershipError as exc:
         yield from _settle_owned(scope, token, codec, policy, exc)
         raise
@@ -127,7 +134,7 @@ def _encoded(codec: Codec, value: Any, policy: Policy) -> tuple[Status | None, b
 
 def _abandon(
     scope: Scope,
-    token: int,
+    run: Execute,
     codec: Codec,
     policy: Policy,
     exc: BaseException,
@@ -140,6 +147,7 @@ def _abandon(
     reservation that ends with its lease (or with its transaction, when the connection
     broke). Only an app that ended the guard's transaction itself hears of it.
     """
+    token = run.token
     try:
         undone = yield Discard()
     except TransactionOwnershipError as ended:
@@ -158,7 +166,7 @@ def _abandon(
         # it again, so the refusal is what is replayed.
         status, body = Status.FAILED, codec.encode_unstorable(cast(Exception, exc))
     with suppress(Exception):
-        yield _outcome(scope, token, status, body, policy)
+        yield _outcome(scope, run, status, body, policy)
 
 
 def _settle_owned(
@@ -217,11 +225,15 @@ def _reserve(
 
 
 def _outcome(
-    scope: Scope, token: int, status: Status | None, body: bytes, policy: Policy
-) -> Settle | Release:
+    scope: Scope, run: Execute, status: Status | None, body: bytes, policy: Policy
+) -> Settle | Release | Checkpoint:
     if status is None:
-        return Release(scope, token)
-    return Settle(scope, token, status, body, policy.now(), policy.ttl)
+        if run.recovery_point is not None:
+            # Steps committed: a release would forget them and a retry would run them again.
+            # The lease ends instead, and the retry takes over where they left off.
+            return Checkpoint(scope, run.token, run.recovery_point, policy.now(), timedelta(0))
+        return Release(scope, run.token)
+    return Settle(scope, run.token, status, body, policy.now(), policy.ttl)
 
 
 # -- the drivers: how operations are carried out -------------------------------------
@@ -270,6 +282,8 @@ class Verbs:
             return target.release(op.scope, op.token)
         if isinstance(op, Renew):
             return target.renew(op.scope, op.token, now=op.now, lease=op.lease)
+        if isinstance(op, Checkpoint):
+            return checkpoint(target)(op.scope, op.token, op.point, now=op.now, lease=op.lease)
         raise AssertionError(f"{op!r} is no store operation")
 
     def discard(self) -> Any:
@@ -279,6 +293,20 @@ class Verbs:
         if name == "target":  # not set yet (copying): nothing to forward to
             raise AttributeError(name)
         return getattr(self.target, name)
+
+
+def checkpoint(target: Any) -> Callable[..., Any]:
+    """``target``'s checkpoint verb; a store without one cannot record recovery points, and
+    `ConfigurationError` says so (it is optional: a store written before them still works
+    for everything else)."""
+    verb = getattr(target, "checkpoint", None)
+    if verb is None:
+        store = getattr(target, "target", target)  # the store behind `Verbs`
+        raise ConfigurationError(
+            f"{type(store).__name__} cannot record recovery points (it has no checkpoint"
+            " verb): guard step-by-step work with a store that has one"
+        )
+    return cast(Callable[..., Any], verb)
 
 
 class StoreVerbs(Verbs):

@@ -59,9 +59,22 @@ class Renew:
 
 
 @dataclass(slots=True)
+class Checkpoint:
+    """Record ``point`` (the steps the work committed, and their state) as the record's
+    recovery point and extend the lease to ``now + lease``; fenced on ``token``. A lease of
+    zero ends it at once, keeping the point: a retry takes over and resumes there."""
+
+    scope: Scope
+    token: int
+    point: str
+    now: datetime | None
+    lease: timedelta
+
+
+@dataclass(slots=True)
 class Discard:
     """Throw the work's writes away (a rollback to the unit's savepoint); the result is True
     when none of them can commit any more. A store used directly has nothing to discard."""
 
 
-StoreOp = Reserve | Settle | Release | Renew | Discard
+StoreOp = Reserve | Settle | Release | Renew | Checkpoint | Discard

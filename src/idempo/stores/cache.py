@@ -39,7 +39,7 @@ from typing import Any, TypeVar, cast
 
 from .._core.flow import performer
 from .._core.keys import Scope
-from .._core.ops import Discard, Release, Renew, Reserve, Settle, StoreOp
+from .._core.ops import Checkpoint, Discard, Release, Renew, Reserve, Settle, StoreOp
 from .._core.record import InProgress, Mismatch, Record, Replay, Reservation, Status, judge
 from ..errors import ConfigurationError
 from . import _clock
@@ -211,6 +211,9 @@ class _Logic:
         yield op
 
     def renew(self, op: Renew) -> OpGen[None]:
+        yield op
+
+    def checkpoint(self, op: Checkpoint) -> OpGen[None]:
         yield op
 
     def discard(self, op: Discard) -> OpGen[None]:

@@ -185,10 +185,27 @@ class MemoryStore:
     def release(self, scope: Scope, token: int) -> None:
         with self._lock:
             entry = self._entries.get(scope)
-            if entry and entry.token == token and entry.status is Status.IN_PROGRESS:
+            if (
+                entry
+                and entry.token == token
+                and entry.status is Status.IN_PROGRESS
+                # Committed steps are never forgotten: the lease ends on its own instead.
+                and entry.recovery_point is None
+            ):
                 del self._entries[scope]
 
     def renew(self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta) -> None:
+        self._extend(scope, token, now, lease, None)
+
+    def checkpoint(
+        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+    ) -> None:
+        """Record ``point`` and extend the lease to ``now + lease``; fenced on ``token``."""
+        self._extend(scope, token, now, lease, point)
+
+    def _extend(
+        self, scope: Scope, token: int, now: datetime | None, lease: timedelta, point: str | None
+    ) -> None:
         now = now or _clock.host_now()
         with self._lock:
             entry = self._held(scope, token)
@@ -196,6 +213,8 @@ class MemoryStore:
             entry.lease_expires_at = until
             entry.updated_at = now
             entry.expires_at = max(entry.expires_at, until)
+            if point is not None:
+                entry.recovery_point = point
             entry._record = None
 
     def get(self, scope: Scope) -> Record | None:
@@ -267,6 +286,11 @@ class AsyncMemoryStore:
         self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta
     ) -> None:
         self.sync.renew(scope, token, now=now, lease=lease)
+
+    async def checkpoint(
+        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+    ) -> None:
+        self.sync.checkpoint(scope, token, point, now=now, lease=lease)
 
     async def get(self, scope: Scope) -> Record | None:
         return self.sync.get(scope)

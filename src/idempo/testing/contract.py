@@ -100,6 +100,15 @@ class Harness:
     async def renew(self, scope: Scope, token: int, *, lease: timedelta = LEASE) -> None:
         await self.store.renew(scope, token, now=self.clock(), lease=lease)
 
+    async def checkpoint(
+        self, scope: Scope, token: int, point: str, *, lease: timedelta = LEASE
+    ) -> None:
+        if not hasattr(self.store, "checkpoint") and not hasattr(
+            getattr(self.store, "sync", None), "checkpoint"
+        ):
+            pytest.skip("the store records no recovery points (it has no checkpoint verb)")
+        await self.store.checkpoint(scope, token, point, now=self.clock(), lease=lease)
+
 
 def scope(key: str = "k-1", *, operation: str = "charge", principal: str = "alice") -> Scope:
     return Scope.of(key, operation=operation, principal=principal)
@@ -361,6 +370,64 @@ class StoreContract:
         record = await h.store.get(scope())
         assert record is not None
         assert (record.status, record.fingerprint) == (Status.IN_PROGRESS, "other-fp")
+
+    # -- recovery points (an optional verb: `checkpoint`) ---------------------------------------
+
+    async def test_checkpoint_records_the_point_and_extends_the_lease(self, h: Harness) -> None:
+        """A checkpoint keeps the point on the record and moves the lease, as a renewal does;
+        a takeover after the lease hands the point to the next holder."""
+        token = await h.acquire(scope(), "fp")
+        h.clock.advance(seconds=20)
+        await h.checkpoint(scope(), token, "reserved")  # until t=50
+        record = await h.store.get(scope())
+        assert record is not None
+        assert (record.recovery_point, record.token) == ("reserved", token)
+        assert record.lease_expires_at == h.clock() + LEASE
+
+        h.clock.advance(seconds=25)  # t=45: the first lease ended at t=30
+        assert isinstance(await h.reserve(scope(), "fp"), InProgress)
+        h.clock.advance(seconds=5)
+        taken = await h.reserve(scope(), "fp")
+        assert isinstance(taken, Acquired)
+        assert (taken.recovery_point, taken.token > token) == ("reserved", True)
+
+    async def test_a_checkpoint_with_no_lease_frees_the_key_for_a_retry(self, h: Harness) -> None:
+        """Lease zero ends the lease at once and keeps the point: the retry of the same
+        request takes over now and resumes; another payload is still a mismatch."""
+        token = await h.acquire(scope(), "fp")
+        await h.checkpoint(scope(), token, "charged", lease=timedelta(0))
+        assert isinstance(await h.reserve(scope(), "other-fp"), Mismatch)
+        taken = await h.reserve(scope(), "fp")
+        assert isinstance(taken, Acquired)
+        assert taken.recovery_point == "charged"
+
+    async def test_release_never_forgets_a_recovery_point(self, h: Harness) -> None:
+        """The steps a point names committed: a release keeps the record (its lease ends by
+        itself), so no retry runs them again from the start."""
+        token = await h.acquire(scope(), "fp")
+        await h.checkpoint(scope(), token, "charged")
+        await h.store.release(scope(), token)
+        record = await h.store.get(scope())
+        assert record is not None
+        assert (record.status, record.recovery_point) == (Status.IN_PROGRESS, "charged")
+
+    async def test_a_stale_checkpoint_is_fenced(self, h: Harness) -> None:
+        """After a takeover the old holder cannot record a step, nor after completion."""
+        old = await h.acquire(scope(), "fp")
+        await h.checkpoint(scope(), old, "one")
+        h.clock.advance(LEASE)
+        new = await h.acquire(scope(), "fp")
+        with pytest.raises(FencedError):
+            await h.checkpoint(scope(), old, "zombie")
+        await h.checkpoint(scope(), new, "two")
+        await h.complete(scope(), new, b"done")
+        with pytest.raises(FencedError):
+            await h.checkpoint(scope(), new, "late")
+        record = await h.store.get(scope())
+        assert record is not None
+        assert (record.status, record.recovery_point) == (Status.COMPLETED, "two")
+        with pytest.raises(FencedError):
+            await h.checkpoint(Scope.of("never", operation="charge"), 1, "x")
 
     # -- retention -----------------------------------------------------------------------------
 

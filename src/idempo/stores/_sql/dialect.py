@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any, NamedTuple, TypeVar
 
 from ..._core.keys import Scope, evict_hint
-from ..._core.ops import Release, Renew, Reserve, Settle
+from ..._core.ops import Checkpoint, Release, Renew, Reserve, Settle
 from ..._core.record import Acquired, Record, Reservation, Status, judge
 from ...errors import ConfigurationError, CorruptRecordError, FencedError
 from .. import _clock
@@ -57,7 +57,7 @@ _WHERE_SCOPE = "principal = :principal AND operation = :operation AND idem_key =
 # PostgreSQL keeps 63 bytes of a name and cuts the rest silently (MariaDB refuses past 64).
 _MAX_NAME = 63
 
-OpT = TypeVar("OpT", Reserve, Settle, Renew)
+OpT = TypeVar("OpT", Reserve, Settle, Renew, Checkpoint)
 
 
 def derived_name(table: str, suffix: str) -> str:
@@ -263,22 +263,33 @@ class SqlDialect:
         if not rows:
             raise FencedError(f"cannot settle key {op.scope.key!r}: token {op.token} is stale")
 
-    @cached_property
-    def renew_update(self) -> str:
+    def _extend_update(self, sets: str) -> str:
+        """The fenced UPDATE that moves the lease to ``now + lease``, setting ``sets`` too."""
         until = self.plus(self.now, "lease")
         return (
-            f"UPDATE {self.table} SET lease_expires_at = {until}, updated_at = {self.now},"
+            f"UPDATE {self.table} SET {sets}lease_expires_at = {until}, updated_at = {self.now},"
             f" expires_at = CASE WHEN expires_at < {until} THEN {until} ELSE expires_at END"
             f" WHERE {self.where_scope} AND token = :token AND state = 'in_progress'"
         )
 
-    def renew_params(self, op: Renew) -> dict[str, Any]:
+    @cached_property
+    def renew_update(self) -> str:
+        return self._extend_update("")
+
+    @cached_property
+    def checkpoint_update(self) -> str:
+        return self._extend_update("recovery_point = :point, ")
+
+    def renew_params(self, op: Renew | Checkpoint) -> dict[str, Any]:
         return {
             **self.scope_params(op.scope),
             "token": op.token,
             "now": self.time_value(op.now),
             "lease": self.db_span(op.lease),
         }
+
+    def checkpoint_params(self, op: Checkpoint) -> dict[str, Any]:
+        return {**self.renew_params(op), "point": op.point}
 
     @cached_property
     def expired(self) -> str:
@@ -322,10 +333,13 @@ class SqlDialect:
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             raise corrupt(asked or scope, f"{type(exc).__name__}: {exc}") from exc
 
+    # A release never forgets committed steps: a record with a recovery point keeps it, and
+    # its lease ends on its own (the flow ends it at once, with a checkpoint).
+    release_where = " AND token = :token AND state = 'in_progress' AND recovery_point IS NULL"
+
     def release(self, op: Release) -> SqlGen[None]:
         yield Statement(
-            f"DELETE FROM {self.table} WHERE {self.where_scope}"
-            " AND token = :token AND state = 'in_progress'",
+            f"DELETE FROM {self.table} WHERE {self.where_scope}{self.release_where}",
             {**self.scope_params(op.scope), "token": op.token},
             fetch=False,
         )
@@ -335,6 +349,16 @@ class SqlDialect:
         rows = yield Statement(f"{self.renew_update} RETURNING token", self.renew_params(op))
         if not rows:
             raise FencedError(f"cannot renew key {op.scope.key!r}: token {op.token} is stale")
+
+    def checkpoint(self, op: Checkpoint) -> SqlGen[None]:
+        op = self.fix_now(op)
+        rows = yield Statement(
+            f"{self.checkpoint_update} RETURNING token", self.checkpoint_params(op)
+        )
+        if not rows:
+            raise FencedError(
+                f"cannot record step of key {op.scope.key!r}: token {op.token} is stale"
+            )
 
     @cached_property
     def lock_sql(self) -> str:

@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from ..._core.keys import Scope
-from ..._core.ops import Release, Renew, Reserve, Settle
+from ..._core.ops import Checkpoint, Release, Renew, Reserve, Settle
 from ..._core.record import InProgress, Reservation
 from ...errors import FencedError, StoreError
 from .dialect import COLUMNS, SqlDialect, SqlGen, Statement
@@ -235,10 +235,27 @@ class MySQLDialect(SqlDialect):
         if not rows or not rows[0][0]:
             raise FencedError(stale)
 
+    def checkpoint(self, op: Checkpoint) -> SqlGen[None]:
+        yield Statement(self.checkpoint_update, self.checkpoint_params(op), fetch=False)
+        rows = yield Statement(ROW_COUNT, {})
+        if rows and rows[0][0]:
+            return
+        # No row changed. On the app's connection rows are counted as changed, not matched
+        # (no CLIENT_FOUND_ROWS there), and the same checkpoint twice on one injected clock
+        # changes nothing: only a record this token no longer holds is stale.
+        held = yield Statement(
+            f"SELECT 1 FROM {self.table} WHERE {_WHERE_SCOPE}"
+            " AND token = :token AND state = 'in_progress'",
+            {"scope_hash": scope_hash(op.scope), "token": op.token},
+        )
+        if not held:
+            raise FencedError(
+                f"cannot record step of key {op.scope.key!r}: token {op.token} is stale"
+            )
+
     def release(self, op: Release) -> SqlGen[None]:
         yield Statement(
-            f"DELETE FROM {self.table} WHERE {_WHERE_SCOPE}"
-            " AND token = :token AND state = 'in_progress'",
+            f"DELETE FROM {self.table} WHERE {_WHERE_SCOPE}{self.release_where}",
             {"scope_hash": scope_hash(op.scope), "token": op.token},
             fetch=False,
         )

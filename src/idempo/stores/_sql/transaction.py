@@ -19,9 +19,14 @@ from enum import Enum
 from typing import Any, Protocol, TypeVar
 
 from ..._core.keys import Scope
-from ..._core.ops import Discard, Release, Renew, Reserve, Settle, StoreOp
+from ..._core.ops import Checkpoint, Discard, Release, Renew, Reserve, Settle, StoreOp
 from ..._core.record import Acquired, InProgress, Record, Replay, Reservation, Status
-from ...errors import FencedError, StoreUnavailableError, TransactionOwnershipError
+from ...errors import (
+    ConfigurationError,
+    FencedError,
+    StoreUnavailableError,
+    TransactionOwnershipError,
+)
 from ..base import Mode
 from .dialect import SqlDialect, SqlGen, Statement
 
@@ -227,6 +232,8 @@ class UnitLogic(Protocol):
 
     def renew(self, op: Renew) -> TxGen[None]: ...
 
+    def checkpoint(self, op: Checkpoint) -> TxGen[None]: ...
+
     def discard(self, op: Discard) -> TxGen[bool]: ...
 
 
@@ -341,6 +348,16 @@ class TransactionLogic:
     def renew(self, op: Renew) -> TxGen[None]:
         return
         yield  # a generator that does nothing
+
+    def checkpoint(self, op: Checkpoint) -> TxGen[None]:
+        if self._state is _State.HELD:
+            raise ConfigurationError(
+                "recovery points need leased mode: in transactional mode every step commits"
+                " with the outcome, so a crash leaves no step to resume (pass mode='leased')"
+            )
+        # A taken-over point after the work's writes rolled back: the takeover goes with
+        # them, and the record keeps the point it had.
+        yield from self.release(Release(op.scope, op.token))
 
     def discard(self, op: Discard | None = None) -> TxGen[bool]:
         """End the transaction after a reservation that will write nothing, or throw the
@@ -468,30 +485,53 @@ class LeasedLogic:
             # records FAILED): on the store's own connection, fenced on the token.
             yield OnStore(self._dialect.settle(op))
             return
+        yield from self._commit(self._dialect.settle(op), op.scope, op.token)
+        self._state = _State.IDLE
+
+    def checkpoint(self, op: Checkpoint) -> TxGen[None]:
+        """A step's writes and its recovery point commit together, fenced on the token (a
+        stale holder's step rolls back whole); the next step's writes begin a new
+        transaction. After a discard, the point is recorded on the store's own connection
+        (the lease ending, for a retry to resume)."""
+        if self._state is not _State.HELD:
+            yield OnStore(self._dialect.checkpoint(op))
+            return
+        yield from self._commit(self._dialect.checkpoint(op), op.scope, op.token)
+        self._locked = False  # the commit let the row lock go
+        try:
+            yield Begin(reserves=False)
+            yield Mark()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                yield Rollback()
+            self._state = _State.UNDONE
+            raise
+
+    def _commit(self, write: SqlGen[None], scope: Scope, token: int) -> TxGen[None]:
+        """Commit the work's transaction with ``write``, the fenced record statement."""
         try:
             yield Check()
-            yield from self._dialect.settle(op)
+            yield from write
             yield Commit()
         except TransactionEnded as ended:
             if self._broken:
-                yield from self._lost(op.scope, op.token)
+                yield from self._lost(scope, token)
                 raise StoreUnavailableError(
-                    f"the transaction of key {op.scope.key!r} was lost with its connection"
+                    f"the transaction of key {scope.key!r} was lost with its connection"
                 ) from ended
             raise (yield from self._ended()) from None
         except TransactionConflict:
             # The database gave up on the work's transaction: nothing of it committed, so
             # the key is free again at once, as for any transient failure.
             yield Rollback()
-            self._state = _State.IDLE
+            self._state = _State.UNDONE
             with contextlib.suppress(Exception):  # the conflict is what the caller gets
-                yield OnStore(self._dialect.release(Release(op.scope, op.token)))
+                yield OnStore(self._dialect.release(Release(scope, token)))
             raise
         except BaseException:
             yield Rollback()
-            self._state = _State.IDLE
+            self._state = _State.UNDONE
             raise
-        self._state = _State.IDLE
 
     def release(self, op: Release) -> TxGen[None]:
         yield from self.discard()
@@ -594,6 +634,9 @@ class StoreLogic:
     def renew(self, op: Renew) -> TxGen[None]:
         yield from _unlocked(self._dialect.renew(op))
 
+    def checkpoint(self, op: Checkpoint) -> TxGen[None]:
+        yield from _unlocked(self._dialect.checkpoint(op))
+
     def discard(self, op: Discard | None = None) -> TxGen[bool]:
         return False
         yield  # nothing of the work's runs on the store's connection
@@ -614,6 +657,7 @@ def _unlocked(gen: SqlGen[T]) -> TxGen[T]:
 
 
 _STEPS = {Reserve: "reserve", Settle: "settle", Release: "release", Renew: "renew"}
+_STEPS[Checkpoint] = "checkpoint"
 _STEPS[Discard] = "discard"
 
 
@@ -653,6 +697,12 @@ class _Verbs:
 
     def renew(self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta) -> Any:
         return self.perform(Renew(scope, token, now, lease))
+
+    def checkpoint(
+        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+    ) -> Any:
+        """Record the recovery point ``point`` and extend the lease; fenced on ``token``."""
+        return self.perform(Checkpoint(scope, token, point, now, lease))
 
     def discard(self) -> Any:
         """Throw the work's writes away; True when none of them can commit any more (every
@@ -701,6 +751,7 @@ class AsyncUnit(_Verbs):
     fail = _awaited(_Verbs.fail)
     release = _awaited(_Verbs.release)
     renew = _awaited(_Verbs.renew)
+    checkpoint = _awaited(_Verbs.checkpoint)
     discard = _awaited(_Verbs.discard)
 
     def __init__(self, logic: UnitLogic, run: Callable[[TxGen[Any]], Awaitable[Any]]) -> None:

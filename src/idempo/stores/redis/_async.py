@@ -172,6 +172,11 @@ class AsyncRedisStore:
     ) -> None:
         await self._drive(_ops.renew(self._keys, scope, token, now, lease))
 
+    async def checkpoint(
+        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+    ) -> None:
+        await self._drive(_ops.checkpoint(self._keys, scope, token, point, now, lease))
+
     async def get(self, scope: Scope) -> Record | None:
         return await self._drive(_ops.get(self._keys, scope))
 

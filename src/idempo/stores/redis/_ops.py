@@ -115,6 +115,15 @@ def renew(
     _protocol.fenced(done, scope, token)
 
 
+def checkpoint(
+    keys: Keys, scope: Scope, token: int, point: str, now: datetime | None, lease: timedelta
+) -> Generator[Call, Any, None]:
+    args = keys.renew_args(token, now, lease)
+    args.insert(-1, point.encode())  # before the grace, which renew.lua reads last
+    done = yield Run(RENEW, keys.key(scope), args, scope)
+    _protocol.fenced(done, scope, token)
+
+
 def release(keys: Keys, scope: Scope, token: int) -> Generator[Call, Any, None]:
     yield Run(RELEASE, keys.key(scope), _protocol.release_args(token), scope)
 

@@ -115,6 +115,12 @@ class RedisStore:
     def renew(self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta) -> None:
         self._drive(_ops.renew(self._keys, scope, token, now, lease))
 
+    def checkpoint(
+        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+    ) -> None:
+        """Record the recovery point ``point`` and extend the lease; fenced on ``token``."""
+        self._drive(_ops.checkpoint(self._keys, scope, token, point, now, lease))
+
     def get(self, scope: Scope) -> Record | None:
         return self._drive(_ops.get(self._keys, scope))
 
