@@ -429,3 +429,42 @@ def test_a_consumer_resumes_a_redelivered_message(clock: FakeClock) -> None:
     outcomes = [consumer.process(None, Envelope("e-1", b"{}"), handle) for _ in "abc"]
     assert [o.action.value for o in outcomes] == ["requeue", "ack", "ack"]
     assert effects == ["pack", "ship", "ship"]
+
+
+@pytest.mark.anyio
+@pytest.mark.postgres
+async def test_async_steps_on_the_apps_connection(
+    postgres_database: Database, clock: FakeClock
+) -> None:
+    """psycopg's AsyncConnection, leased mode: the same commits per step as the sync face."""
+    import psycopg
+
+    db = postgres_database
+    db.create_business_table("step VARCHAR(40)")
+    store = db.async_store()
+    conn = await psycopg.AsyncConnection.connect(db.location)
+    idem, key = AsyncIdempotency(store, policy=policy(clock)), new_key()
+    insert = db.sql(f"INSERT INTO {db.business_table} (step) VALUES (?)")
+
+    async def run(fail_at: str | None = None) -> Any:
+        async with idem.once(key, operation="order", conn=conn, mode="leased") as attempt:
+            if attempt.replayed:
+                return attempt.result
+            for step in STEPS:
+                if attempt.needs(step):
+                    await conn.execute(insert, (step,))
+                    if step == fail_at:
+                        raise Boom(step)
+                    await attempt.checkpoint(step)
+            attempt.result = list(attempt.steps)
+        return attempt.result
+
+    try:
+        with pytest.raises(Boom):
+            await run(fail_at="notify")
+        assert [_count(db, step) for step in STEPS] == [1, 1, 0]
+        assert await run() == list(STEPS)
+        assert [_count(db, step) for step in STEPS] == [1, 1, 1]
+    finally:
+        await conn.close()
+        await store.aclose()
