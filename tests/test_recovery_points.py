@@ -468,3 +468,30 @@ async def test_async_steps_on_the_apps_connection(
     finally:
         await conn.close()
         await store.aclose()
+
+
+def test_a_checkpoint_whose_answer_was_lost_is_not_forgotten(clock: FakeClock) -> None:
+    """The store recorded the step but the answer never came back (a connection lost after
+    the commit): the failure that follows ends the lease with the point the record has, and
+    the retry does not run that step again."""
+    from idempo import StoreUnavailableError
+
+    class LosesAnswers:
+        def __init__(self) -> None:
+            self.inner = MemoryStore()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            self.inner.checkpoint(*args, **kwargs)
+            raise StoreUnavailableError("the connection broke before the answer")
+
+    store = LosesAnswers()
+    idem, key, done = Idempotency(store, policy=policy(clock)), new_key(), []  # type: ignore[arg-type]
+    with pytest.raises(StoreUnavailableError):
+        order(idem, key, done)
+    assert done == ["reserve-stock"]
+    store.checkpoint = store.inner.checkpoint  # type: ignore[method-assign]
+    assert order(idem, key, done)["resumed"] is True
+    assert done == ["reserve-stock", "charge", "notify"]

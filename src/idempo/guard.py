@@ -372,15 +372,10 @@ class _Pending(Generic[T]):
     def _checkpoint(self, point: str) -> Any:
         policy = self._policy
         verb = checkpoint(self._unit)
-        done = verb(self._scope, self._token, point, now=policy.now(), lease=policy.lease)
-        if inspect.isawaitable(done):
-            return self._checkpointed(done, point)
+        # Before the call: one whose answer is lost may still have recorded the step, and a
+        # failure from here on must not forget it (flow.py, _outcome).
         self._run.recovery_point = point
-        return done
-
-    async def _checkpointed(self, done: Awaitable[Any], point: str) -> None:
-        await done
-        self._run.recovery_point = point  # a transient failure now keeps it (flow.py)
+        return verb(self._scope, self._token, point, now=policy.now(), lease=policy.lease)
 
 
 class Handle(_Pending[T]):

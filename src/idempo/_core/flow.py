@@ -46,9 +46,10 @@ _POLL_SECONDS = 0.05
 # Not frozen, as the ops in ops.py: made on every call, never changed.
 @dataclass(slots=True)
 class Execute:
-    """Run the work. ``recovery_point``: the steps a taken-over attempt committed, then
-    whatever this attempt's checkpoints recorded (the guard keeps it current), so that a
-    transient failure ends the lease instead of forgetting them."""
+    """Run the work. ``recovery_point``: the steps a taken-over attempt committed, then what
+    this attempt's checkpoints record (the guard sets it before each one, so a checkpoint
+    whose answer was lost counts too): while it is set, a transient failure ends the lease
+    instead of forgetting them."""
 
     token: int
     recovery_point: str | None
@@ -230,8 +231,9 @@ def _outcome(
     if status is None:
         if run.recovery_point is not None:
             # Steps committed: a release would forget them and a retry would run them again.
-            # The lease ends instead, and the retry takes over where they left off.
-            return Checkpoint(scope, run.token, run.recovery_point, policy.now(), timedelta(0))
+            # The lease ends instead, keeping the point the record has (which may be newer
+            # than the last one this attempt heard back about), and the retry resumes there.
+            return Checkpoint(scope, run.token, None, policy.now(), timedelta(0))
         return Release(scope, run.token)
     return Settle(scope, run.token, status, body, policy.now(), policy.ttl)
 

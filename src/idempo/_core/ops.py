@@ -61,12 +61,13 @@ class Renew:
 @dataclass(slots=True)
 class Checkpoint:
     """Record ``point`` (the steps the work committed, and their state) as the record's
-    recovery point and extend the lease to ``now + lease``; fenced on ``token``. A lease of
-    zero ends it at once, keeping the point: a retry takes over and resumes there."""
+    recovery point and extend the lease to ``now + lease``; fenced on ``token``. A point of
+    None keeps the one stored; a lease of zero ends the lease at once: a retry takes over and
+    resumes there."""
 
     scope: Scope
     token: int
-    point: str
+    point: str | None
     now: datetime | None
     lease: timedelta
 

@@ -198,9 +198,10 @@ class MemoryStore:
         self._extend(scope, token, now, lease, None)
 
     def checkpoint(
-        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+        self, scope: Scope, token: int, point: str | None, *, now: datetime | None, lease: timedelta
     ) -> None:
-        """Record ``point`` and extend the lease to ``now + lease``; fenced on ``token``."""
+        """Record ``point`` (None: keep the stored one) and extend the lease to ``now +
+        lease``; fenced on ``token``."""
         self._extend(scope, token, now, lease, point)
 
     def _extend(
@@ -288,7 +289,7 @@ class AsyncMemoryStore:
         self.sync.renew(scope, token, now=now, lease=lease)
 
     async def checkpoint(
-        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+        self, scope: Scope, token: int, point: str | None, *, now: datetime | None, lease: timedelta
     ) -> None:
         self.sync.checkpoint(scope, token, point, now=now, lease=lease)
 

@@ -101,7 +101,7 @@ class Harness:
         await self.store.renew(scope, token, now=self.clock(), lease=lease)
 
     async def checkpoint(
-        self, scope: Scope, token: int, point: str, *, lease: timedelta = LEASE
+        self, scope: Scope, token: int, point: str | None, *, lease: timedelta = LEASE
     ) -> None:
         if not hasattr(self.store, "checkpoint") and not hasattr(
             getattr(self.store, "sync", None), "checkpoint"
@@ -392,10 +392,12 @@ class StoreContract:
         assert (taken.recovery_point, taken.token > token) == ("reserved", True)
 
     async def test_a_checkpoint_with_no_lease_frees_the_key_for_a_retry(self, h: Harness) -> None:
-        """Lease zero ends the lease at once and keeps the point: the retry of the same
-        request takes over now and resumes; another payload is still a mismatch."""
+        """Lease zero ends the lease at once, and a point of None keeps the stored one: the
+        retry of the same request takes over now and resumes; another payload is still a
+        mismatch."""
         token = await h.acquire(scope(), "fp")
-        await h.checkpoint(scope(), token, "charged", lease=timedelta(0))
+        await h.checkpoint(scope(), token, "charged")
+        await h.checkpoint(scope(), token, None, lease=timedelta(0))
         assert isinstance(await h.reserve(scope(), "other-fp"), Mismatch)
         taken = await h.reserve(scope(), "fp")
         assert isinstance(taken, Acquired)

@@ -278,7 +278,7 @@ class SqlDialect:
 
     @cached_property
     def checkpoint_update(self) -> str:
-        return self._extend_update("recovery_point = :point, ")
+        return self._extend_update("recovery_point = COALESCE(:point, recovery_point), ")
 
     def renew_params(self, op: Renew | Checkpoint) -> dict[str, Any]:
         return {

@@ -699,7 +699,7 @@ class _Verbs:
         return self.perform(Renew(scope, token, now, lease))
 
     def checkpoint(
-        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+        self, scope: Scope, token: int, point: str | None, *, now: datetime | None, lease: timedelta
     ) -> Any:
         """Record the recovery point ``point`` and extend the lease; fenced on ``token``."""
         return self.perform(Checkpoint(scope, token, point, now, lease))

@@ -173,7 +173,7 @@ class AsyncRedisStore:
         await self._drive(_ops.renew(self._keys, scope, token, now, lease))
 
     async def checkpoint(
-        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+        self, scope: Scope, token: int, point: str | None, *, now: datetime | None, lease: timedelta
     ) -> None:
         await self._drive(_ops.checkpoint(self._keys, scope, token, point, now, lease))
 

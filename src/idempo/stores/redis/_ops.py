@@ -116,10 +116,11 @@ def renew(
 
 
 def checkpoint(
-    keys: Keys, scope: Scope, token: int, point: str, now: datetime | None, lease: timedelta
+    keys: Keys, scope: Scope, token: int, point: str | None, now: datetime | None, lease: timedelta
 ) -> Generator[Call, Any, None]:
     args = keys.renew_args(token, now, lease)
-    args.insert(-1, point.encode())  # before the grace, which renew.lua reads last
+    if point is not None:  # else a renewal: the stored point stays
+        args.insert(-1, point.encode())  # before the grace, which renew.lua reads last
     done = yield Run(RENEW, keys.key(scope), args, scope)
     _protocol.fenced(done, scope, token)
 

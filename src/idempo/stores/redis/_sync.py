@@ -116,9 +116,10 @@ class RedisStore:
         self._drive(_ops.renew(self._keys, scope, token, now, lease))
 
     def checkpoint(
-        self, scope: Scope, token: int, point: str, *, now: datetime | None, lease: timedelta
+        self, scope: Scope, token: int, point: str | None, *, now: datetime | None, lease: timedelta
     ) -> None:
-        """Record the recovery point ``point`` and extend the lease; fenced on ``token``."""
+        """Record the recovery point ``point`` (None: keep the stored one) and extend the lease;
+        fenced on ``token``."""
         self._drive(_ops.checkpoint(self._keys, scope, token, point, now, lease))
 
     def get(self, scope: Scope) -> Record | None:
