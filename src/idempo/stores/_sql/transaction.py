@@ -464,20 +464,27 @@ class LeasedLogic:
         if not isinstance(reservation, Acquired):
             return reservation  # the app's connection is left as it was
         try:
-            # The work's writes must wait for the fenced outcome, even on a connection the
-            # app left in autocommit mode; the savepoint shows at the end that the
-            # transaction is still the guard's.
-            yield Begin(reserves=False)
-            yield Mark()
+            yield from self._open()
         except BaseException:
-            with contextlib.suppress(Exception):
-                yield Rollback()
             # Nothing ran: the key is free again at once (or when its lease ends).
             with contextlib.suppress(Exception):
                 yield OnStore(self._dialect.release(Release(op.scope, reservation.token)))
             raise
         self._state, self._owner = _State.HELD, _caller()
         return reservation
+
+    def _open(self) -> TxGen[None]:
+        """Begin the work's transaction and take its savepoint (rolled back if that fails).
+        The work's writes must wait for the fenced outcome, even on a connection the app left
+        in autocommit mode; the savepoint shows at the end that the transaction is still the
+        guard's."""
+        try:
+            yield Begin(reserves=False)
+            yield Mark()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                yield Rollback()
+            raise
 
     def settle(self, op: Settle) -> TxGen[None]:
         if self._state is not _State.HELD:
@@ -499,11 +506,8 @@ class LeasedLogic:
         yield from self._commit(self._dialect.checkpoint(op), op.scope, op.token)
         self._locked = False  # the commit let the row lock go
         try:
-            yield Begin(reserves=False)
-            yield Mark()
+            yield from self._open()
         except BaseException:
-            with contextlib.suppress(Exception):
-                yield Rollback()
             self._state = _State.UNDONE
             raise
 
