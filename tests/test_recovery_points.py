@@ -160,8 +160,8 @@ def test_a_point_written_as_plain_text_is_one_step() -> None:
     """A recovery point is the name of the last step (SPEC §5): one another program or an
     operator wrote as plain text reads as that step, with no state."""
     for text in ("charged", '"charged"', "[1, 2]", '{"steps": "x"}'):
-        assert Progress.decode(text) == Progress((text,))
-    assert Progress.decode('{"steps": ["a"], "state": 3}') == Progress(("a",))
+        assert Progress.decode(text) == Progress((text,), {}, resumed=True)
+    assert Progress.decode('{"steps": ["a"], "state": 3}') == Progress(("a",), {}, resumed=True)
 
 
 def test_bad_steps_and_states_are_refused_and_record_nothing(clock: FakeClock) -> None:

@@ -14,6 +14,7 @@ of one committed step with no state, which is what SPEC §5 calls a recovery poi
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +29,12 @@ MAX_STEP_LENGTH = 100
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """The committed steps, oldest first, and the state recorded with them (merged)."""
+    """The committed steps, oldest first, and the state recorded with them (merged).
+    ``resumed``: the steps began in an earlier attempt, taken over."""
 
     steps: tuple[str, ...] = ()
     state: Mapping[str, Any] = field(default_factory=dict)
+    resumed: bool = False
 
     @property
     def last(self) -> str | None:
@@ -40,17 +43,16 @@ class Progress:
     @classmethod
     def decode(cls, point: str | None) -> Progress:
         if point is None:
-            return cls()
+            return NO_PROGRESS
         try:
             data = json.loads(point)
         except ValueError:
-            return cls((point,))
-        if not isinstance(data, dict):
-            return cls((point,))
-        steps, state = data.get("steps"), data.get("state", {})
+            data = None
+        steps = data.get("steps") if isinstance(data, dict) else None
         if not (isinstance(steps, list) and all(isinstance(s, str) for s in steps)):
-            return cls((point,))
-        return cls(tuple(steps), state if isinstance(state, dict) else {})
+            return cls((point,), {}, True)
+        state = data.get("state", {})  # type: ignore[union-attr] # a dict, per steps
+        return cls(tuple(steps), state if isinstance(state, dict) else {}, True)
 
     def after(self, step: str, state: Mapping[str, Any] | None = None) -> Progress:
         """This progress with ``step`` committed and ``state`` merged into what was recorded.
@@ -61,7 +63,7 @@ class Progress:
                 f" characters, not {step!r}"
             )
         steps = self.steps if step in self.steps else (*self.steps, step)
-        return Progress(steps, {**self.state, **(state or {})})
+        return Progress(steps, {**self.state, **(state or {})}, self.resumed)
 
     def encode(self) -> str:
         """The point as the store keeps it; `UnserializableResultError` when the state is not
@@ -84,3 +86,8 @@ class Progress:
                 f" {MAX_POINT_BYTES}: record ids and names, and return results instead"
             )
         return text
+
+
+# What a fresh attempt starts with: one shared value, since nearly every call has no steps
+# and an object per call costs the hot path (and the garbage collector) for nothing.
+NO_PROGRESS = Progress((), MappingProxyType({}))
