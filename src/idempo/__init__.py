@@ -29,6 +29,7 @@ from .errors import (
     InvalidPayloadError,
     MissingKeyError,
     PrincipalRequiredError,
+    PublishError,
     ReplayedFailureError,
     RequestInProgressError,
     RequestTooLargeError,
@@ -38,6 +39,7 @@ from .errors import (
     StoreUnavailableError,
     TransactionOwnershipError,
     UnserializableResultError,
+    VersionConflictError,
 )
 from .guard import AsyncAttempt, AsyncHandle, AsyncIdempotency, Attempt, Handle, Idempotency
 from .policy import Policy
@@ -67,6 +69,7 @@ __all__ = [
     "MissingKeyError",
     "Policy",
     "PrincipalRequiredError",
+    "PublishError",
     "Record",
     "ReplayedFailureError",
     "RequestInProgressError",
@@ -82,6 +85,7 @@ __all__ = [
     "TransactionOwnershipError",
     "TypedSerializer",
     "UnserializableResultError",
+    "VersionConflictError",
     "derive_key",
     "fingerprint",
     "open_async_store",

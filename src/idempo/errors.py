@@ -16,9 +16,11 @@
     ├── UnserializableResultError          the serializer cannot store the result
     ├── FencedError                        this attempt lost its lease; its writes were refused
     ├── ReplayedFailureError               the first execution failed deterministically; replayed
+    ├── PublishError (503)                 a broker did not confirm a publish; the relay retries
     └── ConflictError
         ├── RequestInProgressError (409)   another attempt holds a live lease on the key
-        └── FingerprintMismatchError (422) same key, different payload
+        ├── FingerprintMismatchError (422) same key, different payload
+        └── VersionConflictError (409)     a version-guarded write found another version
 
 HTTP-facing classes carry `status_code` so adapters map them without a lookup table.
 """
@@ -36,6 +38,7 @@ __all__ = [
     "InvalidPayloadError",
     "MissingKeyError",
     "PrincipalRequiredError",
+    "PublishError",
     "ReplayedFailureError",
     "RequestInProgressError",
     "RequestTooLargeError",
@@ -45,6 +48,7 @@ __all__ = [
     "StoreUnavailableError",
     "TransactionOwnershipError",
     "UnserializableResultError",
+    "VersionConflictError",
 ]
 
 
@@ -196,3 +200,34 @@ class TransactionOwnershipError(ConfigurationError):
     connection. What it committed stays committed, and the key is recorded FAILED so that no
     retry runs the work again. Leave commit and rollback to the guard; use a savepoint (a
     nested transaction) to undo part of the work."""
+
+
+class VersionConflictError(ConflictError):
+    """A version-guarded update (`idempo.writes.update_if_version`) matched no row: the row's
+    version is not the one the caller read (someone else wrote first), or the row is gone.
+    Nothing was changed. Read the row again and retry in a new transaction.
+
+    Attributes:
+        table: the table written to.
+        key: the key columns and values that name the row.
+        expected: the version the caller expected.
+        actual: the version the row holds (the latest committed), or None: no such row.
+    """
+
+    status_code = 409
+
+    def __init__(self, table: str, key: dict[str, object], expected: int, actual: object) -> None:
+        found = "no such row" if actual is None else f"version {actual!r}"
+        super().__init__(f"{table} {key!r}: expected version {expected!r}, found {found}")
+        self.table = table
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+class PublishError(IdempotencyError):
+    """A message could not be published, or the broker did not confirm it (unreachable,
+    refused, nacked, unroutable, timed out). The broker's own error is ``__cause__``. Nothing
+    is marked sent: the outbox relay retries it later."""
+
+    status_code = 503

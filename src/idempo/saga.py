@@ -21,10 +21,11 @@ another system, and that system should get a key derived from the step's (`deriv
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, TypeVar
 
 from ._core.keys import step_key, validate_key
-from .guard import AsyncIdempotency, Idempotency, _AsyncOnce, _Once
+from .guard import AsyncAttempt, AsyncIdempotency, Attempt, Idempotency
 from .serializers import return_serializer
 from .stores.base import Mode
 
@@ -122,7 +123,7 @@ class AsyncSaga(_Saga):
 
     def once(
         self, step: str, payload: Any, *, conn: Any = None, mode: Mode = "transactional"
-    ) -> _AsyncOnce[Any]:
+    ) -> AbstractAsyncContextManager[AsyncAttempt[Any]]:
         """The guarded block of ``step`` itself, for a step made of phases that records each
         one (``await attempt.checkpoint(phase)``, leased mode) and resumes after the last
         on redelivery; ``async with saga.once("ship", order) as attempt:``. The result is
@@ -159,6 +160,6 @@ class Saga(_Saga):
 
     def once(
         self, step: str, payload: Any, *, conn: Any = None, mode: Mode = "transactional"
-    ) -> _Once[Any]:
+    ) -> AbstractContextManager[Attempt[Any]]:
         """The guarded block of ``step`` itself; see `AsyncSaga.once`."""
         return self.idempotency.once(**self._once_args(step, None, payload, conn, mode))

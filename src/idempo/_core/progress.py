@@ -14,9 +14,9 @@ of one committed step with no state, which is what SPEC §5 calls a recovery poi
 from __future__ import annotations
 
 import json
-from types import MappingProxyType
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from ..errors import ConfigurationError, UnserializableResultError
@@ -51,7 +51,7 @@ class Progress:
         steps = data.get("steps") if isinstance(data, dict) else None
         if not (isinstance(steps, list) and all(isinstance(s, str) for s in steps)):
             return cls((point,), {}, True)
-        state = data.get("state", {})  # type: ignore[union-attr] # a dict, per steps
+        state = data.get("state", {})  # a dict, per steps
         return cls(tuple(steps), state if isinstance(state, dict) else {}, True)
 
     def after(self, step: str, state: Mapping[str, Any] | None = None) -> Progress:
