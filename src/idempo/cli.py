@@ -1,4 +1,4 @@
-"""The ``idempo`` command: demo, migrate, purge, inspect, stats, evict.
+"""The ``idempo`` command: demo, migrate, purge, inspect, stats, evict, relay.
 
 Every error is one line on stderr and a non-zero exit (no traceback unless ``--debug``):
 1 nothing found (``inspect``, ``evict``), 2 bad input (a URL, a key, an option), 3 the store
@@ -7,12 +7,14 @@ failed (unreachable, a file that cannot be opened, a schema never migrated), 1 a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
-from typing import Annotated, Any
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -22,8 +24,11 @@ from rich.table import Table
 from rich.text import Text
 
 from ._core.keys import Scope
-from .errors import ConfigurationError, InvalidKeyError, StoreError
+from .errors import ConfigurationError, InvalidKeyError, SchemaMissingError, StoreError
 from .stores import MIGRATE_HINT, open_store
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
 
 app = typer.Typer(help="idempo: make retries safe.", no_args_is_help=True, add_completion=False)
 console = Console()
@@ -32,6 +37,10 @@ StoreUrl = Annotated[str, typer.Argument(help="store URL, e.g. sqlite:///app.db 
 Key = Annotated[str, typer.Argument(help="the idempotency key")]
 Operation = Annotated[str, typer.Option(help="the operation the key is scoped to")]
 Principal = Annotated[str, typer.Option(help="the principal (default: anonymous)")]
+OutboxTable = Annotated[
+    str | None,
+    typer.Option(help="the outbox table (default: idempo_outbox beside the records table)"),
+]
 
 NOT_FOUND, BAD_INPUT, STORE_FAILED, FAILED = 1, 2, 3, 1
 
@@ -197,14 +206,31 @@ def _print_report(report: Any) -> None:
 
 
 @app.command()
-def migrate(url: StoreUrl) -> None:
-    """Create the records table and what it needs (SQL stores); safe to run again."""
+def migrate(url: StoreUrl, outbox_table: OutboxTable = None) -> None:
+    """Create the records table, the outbox table and what they need (SQL stores); safe to
+    run again."""
     with _store(url) as store:
         if not hasattr(store, "migrate"):
             console.print(f"{escape(type(store).__name__)} keeps no schema; nothing to do")
             return
         store.migrate()
-        console.print(f"[green]migrated[/green] {escape(store.dialect.table)}")
+        outbox = _outbox(store, outbox_table)
+        if outbox is None:  # a store with a schema of its own but no SQL tables
+            console.print(f"[green]migrated[/green] {escape(type(store).__name__)}")
+            return
+        outbox.migrate(store)
+        console.print(
+            f"[green]migrated[/green] {escape(store.dialect.table)} and {escape(outbox.table)}"
+        )
+
+
+def _outbox(store: Any, table: str | None) -> Outbox | None:
+    """The outbox beside ``store``'s records (or in ``table``); None for a store without SQL."""
+    if getattr(store, "dialect", None) is None:
+        return None
+    from .outbox import Outbox, outbox_table  # noqa: PLC0415 - only the SQL stores need it
+
+    return Outbox(table or outbox_table(store.dialect.table))
 
 
 @app.command()
@@ -215,17 +241,36 @@ def purge(
         typer.Option(help="purge records expired before this (default: the store's now)"),
     ] = None,
     batch: Annotated[int, typer.Option(min=1, help="records per delete")] = 1000,
+    outbox_retention: Annotated[
+        float,
+        typer.Option(min=0, help="also purge outbox messages sent more than this many seconds ago"),
+    ] = 86400.0,
+    outbox_table: OutboxTable = None,
 ) -> None:
-    """Delete expired records in bounded batches."""
+    """Delete expired records, and outbox messages sent past their retention, in bounded
+    batches. Pending outbox messages are never purged."""
     cutoff = None if before is None else before.astimezone(UTC)
-    total = 0
+    total = sent = 0
+    outbox_missing = False
     with _store(url, create=False) as store:
         while (deleted := store.purge(before=cutoff, limit=batch)) > 0:
             total += deleted
             if deleted < batch:
                 break
+        outbox = _outbox(store, outbox_table)
+        if outbox is not None:
+            retention = timedelta(seconds=outbox_retention)
+            try:
+                while (deleted := outbox.purge(store, retention=retention, limit=batch)) > 0:
+                    sent += deleted
+                    if deleted < batch:
+                        break
+            except SchemaMissingError:
+                outbox_missing = True  # migrated before the outbox existed: nothing to purge
     when = "now (the store's clock)" if cutoff is None else cutoff.isoformat()
     console.print(f"purged {total} record(s) expired before {escape(when)}")
+    if outbox is not None and not outbox_missing:
+        console.print(f"purged {sent} outbox message(s) sent more than {outbox_retention:g} s ago")
 
 
 @app.command()
@@ -247,16 +292,36 @@ def inspect(url: StoreUrl, key: Key, operation: Operation, principal: Principal 
 
 
 @app.command()
-def stats(url: StoreUrl) -> None:
-    """Count records per state."""
+def stats(url: StoreUrl, outbox_table: OutboxTable = None) -> None:
+    """Count records per state, and the outbox's backlog."""
+    backlog: dict[str, int] | None = None
     with _store(url, read_only=True) as store:
         counts = store.stats()
+        outbox = _outbox(store, outbox_table)
+        if outbox is not None:
+            try:
+                backlog = outbox.stats(store)
+            except SchemaMissingError:
+                backlog = None
     table = Table()
     table.add_column("state")
     table.add_column("records", justify="right")
     for state in ("in_progress", "completed", "failed"):
         table.add_row(state, str(counts.get(state, 0)))
     console.print(table)
+    if outbox is None:
+        return
+    if backlog is None:
+        console.print(f"outbox: no table {escape(outbox.table)} (idempo migrate creates it)")
+        return
+    shown = Table()
+    shown.add_column("outbox")
+    shown.add_column("messages", justify="right")
+    for name, what in (("pending", "pending (not sent yet)"),
+                       ("failing", "failing (pending, tried before)"),
+                       ("sent", "sent (kept until purged)")):  # fmt: skip
+        shown.add_row(what, str(backlog.get(name, 0)))
+    console.print(shown)
 
 
 @app.command()
@@ -273,6 +338,78 @@ def evict(url: StoreUrl, key: Key, operation: Operation, principal: Principal = 
         console.print("no record")
         raise typer.Exit(NOT_FOUND)
     console.print(f"evicted the record of key {escape(repr(key))} ({escape(operation)})")
+
+
+@app.command()
+def relay(
+    store: Annotated[
+        str, typer.Option("--store", help="the store URL (its database has the outbox)")
+    ],
+    to: Annotated[str, typer.Option("--to", help="the publisher URL: amqp://, nats://, redis://")],
+    once: Annotated[bool, typer.Option("--once", help="publish what is due, then exit")] = False,
+    batch: Annotated[int, typer.Option(min=1, help="messages per claim")] = 100,
+    poll: Annotated[
+        float, typer.Option(min=0.001, help="seconds between claims when nothing is due")
+    ] = 1.0,
+    outbox_table: OutboxTable = None,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-o", help="NAME=VALUE for the publisher (repeatable)"),
+    ] = None,
+) -> None:
+    """Publish staged outbox messages, mark them sent, retry failures with backoff.
+
+    Runs until stopped (Ctrl-C, SIGTERM), or with --once until nothing is due. Several relays
+    may run at once. Exit 1 with --once if a message failed to publish (it is retried later).
+    """
+    with _reported(store):
+        options = dict(_option(item) for item in option or ())
+        sent, failed = asyncio.run(_relay(store, to, options, once=once, batch=batch, poll=poll,
+                                          table=outbox_table))  # fmt: skip
+    if once:
+        console.print(f"published {sent} message(s); {failed} failed (retried later)")
+        if failed:
+            raise typer.Exit(FAILED)
+
+
+def _option(item: str) -> tuple[str, str]:
+    name, equals, value = item.partition("=")
+    if not equals or not name.isidentifier():
+        raise ConfigurationError(f"--option takes NAME=VALUE, not {item!r}")
+    return name, value
+
+
+async def _relay(store: str, to: str, options: dict[str, str], *, once: bool, batch: int,
+                 poll: float, table: str | None) -> tuple[int, int]:  # fmt: skip
+    from .outbox import Relay, publishers  # noqa: PLC0415 - only this command needs them
+
+    publisher = publishers.open_publisher(to, **options)
+    try:
+        async with Relay(store, publisher, table=table, batch=batch, poll=poll) as relay:
+            if once:
+                drained = await relay.drain()
+                return drained.sent, drained.failed
+            console.print(
+                f"relaying {escape(_redacted(store))} -> {escape(_redacted(to))} (Ctrl-C to stop)"
+            )
+            task = relay.start()
+            loop = asyncio.get_running_loop()
+            # Ctrl-C and SIGTERM (a service manager's stop) cancel the relay: the batch in
+            # flight ends as `Relay.run` says, and the command exits 0.
+            for stop in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(stop, task.cancel)
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this coroutine itself was cancelled, not the relay
+            finally:
+                for stop in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(stop)
+            console.print(f"stopped: published {relay.sent} message(s), {relay.failed} failed")
+            return relay.sent, relay.failed
+    finally:
+        await publisher.aclose()
 
 
 def main() -> None:
