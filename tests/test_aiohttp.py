@@ -336,20 +336,3 @@ async def test_the_business_write_commits_with_the_record(
         await server.close()
         await engine.dispose()
         await store.aclose()
-
-
-def test_docs_quote_the_adapter_as_it_is() -> None:
-    """docs/extending.md, "Writing a framework adapter", quotes idempo.contrib.aiohttp: every
-    ```python block of that section is in the adapter's source, to the letter."""
-    import re
-
-    import idempo.contrib.aiohttp as adapter
-
-    text = (Path(__file__).parent.parent / "docs" / "extending.md").read_text()
-    section = text[text.index("\n## Writing a framework adapter\n") :]
-    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
-    source = Path(adapter.__file__).read_text()
-    assert len(blocks) >= 4
-    for block in blocks:
-        assert block in source, block
-    assert len(source.splitlines()) < 150

@@ -1,6 +1,6 @@
 """docs/extending.md, "Writing a store", runs as written: its files are the out-of-tree store
-and its contract test (tests/outside_store, which the suite runs), its other snippets run
-here, and its entry-point table is the one a distribution declares."""
+and its contract test (tests/outside_store, which the suite runs), and its entry-point table is
+the one a distribution declares. Its other snippets run in tests/test_docs.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-
-import pytest
-
-from idempo.stores import _registry
 
 DOC = Path(__file__).parent.parent / "docs" / "extending.md"
 OUTSIDE = Path(__file__).parent / "outside_store"
@@ -43,17 +39,6 @@ def test_the_files_shown_are_the_store_and_test_that_run() -> None:
     assert set(shown) == {"dictstore.py", "test_dictstore.py"}
     for name, code in shown.items():
         assert code == (OUTSIDE / name).read_text(), f"docs/extending.md shows another {name}"
-
-
-def test_the_snippets_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The other ```python blocks run, in order, beside dictstore.py."""
-    monkeypatch.syspath_prepend(str(OUTSIDE))
-    monkeypatch.setattr(_registry, "_registered", {})
-    snippets = [code for code in blocks("python") if not re.match(r"# \w+\.py\n", code)]
-    assert snippets
-    namespace: dict[str, object] = {}
-    for code in snippets:
-        exec(compile(code, str(DOC), "exec"), namespace)  # the page's own code
 
 
 def test_the_entry_point_table_is_what_a_distribution_declares() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import re
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, closing
@@ -855,16 +854,3 @@ async def test_leased_zombie_is_fenced_and_its_write_rolled_back(app_db: AppDb) 
     async with guard.once("k-1", conn=zombie_conn, mode="leased") as retry:
         assert retry.replayed
         assert retry.result == "successor"
-
-
-def test_the_function_api_docs_run_as_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every Python example of docs/function-api.md runs (in a fresh directory: the SQLite
-    examples make their file there)."""
-    monkeypatch.chdir(tmp_path)
-    text = (Path(__file__).parents[1] / "docs" / "function-api.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
-    assert len(blocks) >= 6
-    for number, block in enumerate(blocks):
-        exec(compile(block, f"docs/function-api.md block {number}", "exec"), {})

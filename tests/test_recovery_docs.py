@@ -15,7 +15,7 @@ DOC = Path(__file__).parent.parent / "docs" / "recovery-points.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 # What a block prints is shown under it as comments starting in the first column; the
 # comments that explain follow the code on its line.
-SHOWN = re.compile(r"^# (.*)$", re.MULTILINE)
+SHOWN = re.compile(r"^# (?!continues the block above$)(.*)$", re.MULTILINE)
 
 
 def blocks() -> list[str]:

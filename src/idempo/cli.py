@@ -1,13 +1,18 @@
-"""The ``idempo`` command: demo, migrate, purge, inspect, stats, evict, relay.
+"""The ``idempo`` command: demo, migrate, purge, inspect, stats, evict, relay; list, resolve
+and doctor (`idempo._cli_ops`). ``--json`` on the operator commands prints JSON instead of a
+table; ``idempo --version`` prints the version.
 
 Every error is one line on stderr and a non-zero exit (no traceback unless ``--debug``):
 1 nothing found (``inspect``, ``evict``), 2 bad input (a URL, a key, an option), 3 the store
-failed (unreachable, a file that cannot be opened, a schema never migrated), 1 anything else.
+failed (unreachable, a file that cannot be opened, a schema never migrated), 4 refused (a live
+lease, a settled record, a race with the record's holder lost), 1 anything else.
+``doctor`` exits 0, 1 or 2 for its findings (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import signal
@@ -23,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from . import __version__
 from ._core.keys import Scope
 from .errors import ConfigurationError, InvalidKeyError, SchemaMissingError, StoreError
 from .stores import MIGRATE_HINT, open_store
@@ -37,22 +43,45 @@ StoreUrl = Annotated[str, typer.Argument(help="store URL, e.g. sqlite:///app.db 
 Key = Annotated[str, typer.Argument(help="the idempotency key")]
 Operation = Annotated[str, typer.Option(help="the operation the key is scoped to")]
 Principal = Annotated[str, typer.Option(help="the principal (default: anonymous)")]
+StoredPrincipal = Annotated[
+    str | None, typer.Option(help="the principal as stored (default: anonymous)")
+]
+Authorization = Annotated[
+    str | None,
+    typer.Option(
+        help="the request's Authorization value: the principal is the HTTP middleware's"
+        " default for it (its SHA-256)"
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 OutboxTable = Annotated[
     str | None,
     typer.Option(help="the outbox table (default: idempo_outbox beside the records table)"),
 ]
 
-NOT_FOUND, BAD_INPUT, STORE_FAILED, FAILED = 1, 2, 3, 1
+NOT_FOUND, BAD_INPUT, STORE_FAILED, FAILED, REFUSED = 1, 2, 3, 1, 4
 
 
 class _Settings:
     debug = False
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        typer.echo(f"idempo {__version__}")
+        raise typer.Exit
+
+
 @app.callback()
 def _options(
     debug: Annotated[
         bool, typer.Option("--debug", help="on an error, show the traceback too")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_version, help="print the version and exit"
+        ),
     ] = False,
 ) -> None:
     _Settings.debug = debug
@@ -108,9 +137,21 @@ def _store(url: str, *, read_only: bool = False, create: bool = True) -> Iterato
             store.close()  # a pool left to the garbage collector complains from its threads
 
 
-def _scope(key: str, operation: str, principal: str) -> Scope:
+def _scope(
+    key: str, operation: str, principal: str | None, authorization: str | None = None
+) -> Scope:
+    """The scope named on the command line: ``--principal`` as stored, or the HTTP default
+    principal of an ``--authorization`` value."""
     with _reported():
-        return Scope.of(key, operation=operation, principal=principal)
+        if authorization is not None:
+            from .admin import http_principal  # noqa: PLC0415 - keeps the start fast
+
+            principal = http_principal(authorization=authorization, principal=principal)
+        return Scope.of(key, operation=operation, principal=principal or "")
+
+
+def _echo_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2))
 
 
 @app.command()
@@ -206,22 +247,32 @@ def _print_report(report: Any) -> None:
 
 
 @app.command()
-def migrate(url: StoreUrl, outbox_table: OutboxTable = None) -> None:
+def migrate(url: StoreUrl, outbox_table: OutboxTable = None, as_json: AsJson = False) -> None:
     """Create the records table, the outbox table and what they need (SQL stores); safe to
     run again."""
     with _store(url) as store:
+        kind = type(store).__name__
         if not hasattr(store, "migrate"):
-            console.print(f"{escape(type(store).__name__)} keeps no schema; nothing to do")
+            if as_json:
+                _echo_json({"store": kind, "migrated": False, "table": None, "outbox": None})
+                return
+            console.print(f"{escape(kind)} keeps no schema; nothing to do")
             return
         store.migrate()
         outbox = _outbox(store, outbox_table)
-        if outbox is None:  # a store with a schema of its own but no SQL tables
-            console.print(f"[green]migrated[/green] {escape(type(store).__name__)}")
-            return
-        outbox.migrate(store)
-        console.print(
-            f"[green]migrated[/green] {escape(store.dialect.table)} and {escape(outbox.table)}"
-        )
+        if outbox is not None:
+            outbox.migrate(store)
+    if as_json:
+        table = None if outbox is None else store.dialect.table
+        _echo_json({"store": kind, "migrated": True, "table": table,
+                    "outbox": None if outbox is None else outbox.table})  # fmt: skip
+        return
+    if outbox is None:  # a store with a schema of its own but no SQL tables
+        console.print(f"[green]migrated[/green] {escape(kind)}")
+        return
+    console.print(
+        f"[green]migrated[/green] {escape(store.dialect.table)} and {escape(outbox.table)}"
+    )
 
 
 def _outbox(store: Any, table: str | None) -> Outbox | None:
@@ -246,6 +297,7 @@ def purge(
         typer.Option(min=0, help="also purge outbox messages sent more than this many seconds ago"),
     ] = 86400.0,
     outbox_table: OutboxTable = None,
+    as_json: AsJson = False,
 ) -> None:
     """Delete expired records, and outbox messages sent past their retention, in bounded
     batches. Pending outbox messages are never purged."""
@@ -268,17 +320,37 @@ def purge(
             except SchemaMissingError:
                 outbox_missing = True  # migrated before the outbox existed: nothing to purge
     when = "now (the store's clock)" if cutoff is None else cutoff.isoformat()
+    if as_json:
+        swept = None if outbox is None or outbox_missing else sent
+        _echo_json({"records": total, "before": None if cutoff is None else when,
+                    "outbox_messages": swept})  # fmt: skip
+        return
     console.print(f"purged {total} record(s) expired before {escape(when)}")
     if outbox is not None and not outbox_missing:
         console.print(f"purged {sent} outbox message(s) sent more than {outbox_retention:g} s ago")
 
 
 @app.command()
-def inspect(url: StoreUrl, key: Key, operation: Operation, principal: Principal = "") -> None:
-    """Show one record."""
-    scope = _scope(key, operation, principal)
+def inspect(
+    url: StoreUrl,
+    key: Key,
+    operation: Operation,
+    principal: StoredPrincipal = None,
+    authorization: Authorization = None,
+    as_json: AsJson = False,
+) -> None:
+    """Show one record, by the key as the app sees it: --principal as stored, or
+    --authorization "Bearer …" for the HTTP middleware's default principal."""
+    scope = _scope(key, operation, principal, authorization)
     with _store(url, read_only=True) as store:
         record = store.get(scope)
+    if as_json:
+        from .admin import record_dict  # noqa: PLC0415 - keeps the start fast
+
+        _echo_json(None if record is None else record_dict(record))
+        if record is None:
+            raise typer.Exit(NOT_FOUND)
+        return
     if record is None:
         console.print("no record")
         raise typer.Exit(NOT_FOUND)
@@ -292,7 +364,7 @@ def inspect(url: StoreUrl, key: Key, operation: Operation, principal: Principal 
 
 
 @app.command()
-def stats(url: StoreUrl, outbox_table: OutboxTable = None) -> None:
+def stats(url: StoreUrl, outbox_table: OutboxTable = None, as_json: AsJson = False) -> None:
     """Count records per state, and the outbox's backlog."""
     backlog: dict[str, int] | None = None
     with _store(url, read_only=True) as store:
@@ -303,6 +375,13 @@ def stats(url: StoreUrl, outbox_table: OutboxTable = None) -> None:
                 backlog = outbox.stats(store)
             except SchemaMissingError:
                 backlog = None
+    if as_json:
+        records = {state: counts.get(state, 0) for state in ("in_progress", "completed", "failed")}
+        outbox_counts = None
+        if backlog is not None:
+            outbox_counts = {name: backlog.get(name, 0) for name in ("pending", "failing", "sent")}
+        _echo_json({"records": records, "outbox": outbox_counts})
+        return
     table = Table()
     table.add_column("state")
     table.add_column("records", justify="right")
@@ -325,15 +404,37 @@ def stats(url: StoreUrl, outbox_table: OutboxTable = None) -> None:
 
 
 @app.command()
-def evict(url: StoreUrl, key: Key, operation: Operation, principal: Principal = "") -> None:
+def evict(
+    url: StoreUrl,
+    key: Key,
+    operation: Operation,
+    principal: StoredPrincipal = None,
+    authorization: Authorization = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="also delete a record under a live lease")
+    ] = False,
+    as_json: AsJson = False,
+) -> None:
     """Delete one record whatever its state (a corrupt record, an operator's decision).
 
     A retry of the key then runs the work again; its tokens still grow past the evicted
-    record's.
+    record's. A record in progress under a live lease is refused (exit 4) unless --force:
+    its holder may be running.
     """
-    scope = _scope(key, operation, principal)
+    from .admin import Admin, LiveLeaseError  # noqa: PLC0415 - keeps the start fast
+
+    scope = _scope(key, operation, principal, authorization)
     with _store(url, create=False) as store:
-        evicted = store.evict(scope)
+        try:
+            evicted = Admin(store).evict(scope, force=force)
+        except LiveLeaseError as exc:
+            raise _fail(str(exc), REFUSED) from exc
+    if as_json:
+        _echo_json({"evicted": evicted, "key": scope.key, "operation": scope.operation,
+                    "principal": scope.principal})  # fmt: skip
+        if not evicted:
+            raise typer.Exit(NOT_FOUND)
+        return
     if not evicted:
         console.print("no record")
         raise typer.Exit(NOT_FOUND)
@@ -415,3 +516,7 @@ async def _relay(store: str, to: str, options: dict[str, str], *, once: bool, ba
 def main() -> None:
     """Console entry point."""
     app()
+
+
+# The operator commands (list, resolve, doctor) register on `app`; last, since they import it.
+from . import _cli_ops  # noqa: E402, F401

@@ -47,10 +47,16 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Acquired:
-    """The caller holds the key: execute, then complete, fail or release with ``token``."""
+    """The caller holds the key: execute, then complete, fail or release with ``token``.
+
+    ``taken_over``: the reservation took over an attempt whose lease had ended (it crashed
+    or outlived its lease), for observers (`idempo.events.Kind.TAKEN_OVER`); a store that
+    cannot tell leaves it False (a takeover with a recovery point is known all the same).
+    """
 
     token: int
     recovery_point: str | None = None
+    taken_over: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ Safe under threads and asyncio tasks; nothing survives the process.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from datetime import datetime, timedelta
 
@@ -12,6 +13,7 @@ from .._core.keys import Scope
 from .._core.record import Acquired, Record, Reservation, Status, judge
 from ..errors import FencedError
 from . import _clock
+from ._scan import ScanFilter, oldest
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 
@@ -93,7 +95,7 @@ class MemoryStore:
     >>> scope = Scope("", "charge", "k1")
     >>> now = datetime.now(UTC)
     >>> store.reserve(scope, "fp", now=now, lease=timedelta(seconds=5), ttl=timedelta(hours=1))
-    Acquired(token=1, recovery_point=None)
+    Acquired(token=1, recovery_point=None, taken_over=False)
     """
 
     def __init__(self) -> None:
@@ -133,7 +135,8 @@ class MemoryStore:
                 until + ttl,
                 recovery_point,
             )
-            return Acquired(token, recovery_point)
+            # A live record judged free is one whose lease ended: this takes it over.
+            return Acquired(token, recovery_point, taken_over=keeps_history)
 
     def _held(self, scope: Scope, token: int) -> _Entry:
         entry = self._entries.get(scope)
@@ -249,6 +252,23 @@ class MemoryStore:
                 counts[entry.status.value] = counts.get(entry.status.value, 0) + 1
             return counts
 
+    def scan(
+        self,
+        *,
+        status: Status | None = None,
+        operation: str | None = None,
+        principal: str | None = None,
+        created_before: datetime | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Up to ``limit`` records passing every filter given, oldest first, without their
+        responses (`get` reads one whole)."""
+        where = ScanFilter(status, operation, principal, created_before, limit)
+        with self._lock:
+            found = [entry.record() for entry in self._entries.values()]
+        listed = [dataclasses.replace(r, response=None) for r in found if where.matches(r)]
+        return oldest(listed, limit)
+
     def close(self) -> None:
         pass
 
@@ -305,6 +325,24 @@ class AsyncMemoryStore:
     async def stats(self) -> dict[str, int]:
         """How many records are in each state."""
         return self.sync.stats()
+
+    async def scan(
+        self,
+        *,
+        status: Status | None = None,
+        operation: str | None = None,
+        principal: str | None = None,
+        created_before: datetime | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """The asynchronous face of `MemoryStore.scan`."""
+        return self.sync.scan(
+            status=status,
+            operation=operation,
+            principal=principal,
+            created_before=created_before,
+            limit=limit,
+        )
 
     async def aclose(self) -> None:
         pass

@@ -37,8 +37,8 @@ import anyio.to_thread
 import pytest
 
 from .._core.keys import Scope
-from .._core.record import Acquired, InProgress, Mismatch, Replay, Reservation, Status
-from ..errors import FencedError
+from .._core.record import Acquired, InProgress, Mismatch, Record, Replay, Reservation, Status
+from ..errors import ConfigurationError, FencedError
 from ..stores.base import AsyncStore, Store
 from . import FakeClock
 
@@ -108,6 +108,15 @@ class Harness:
         ):
             pytest.skip("the store records no recovery points (it has no checkpoint verb)")
         await self.store.checkpoint(scope, token, point, now=self.clock(), lease=lease)
+
+    async def scan(self, **filters: Any) -> list[Record]:
+        """The store's optional listing verb; skips the test for a store without it."""
+        if not hasattr(self.store, "scan") and not hasattr(
+            getattr(self.store, "sync", None), "scan"
+        ):
+            pytest.skip("the store lists no records (it has no scan verb)")
+        found: list[Record] = await self.store.scan(**filters)
+        return found
 
 
 def scope(key: str = "k-1", *, operation: str = "charge", principal: str = "alice") -> Scope:
@@ -600,6 +609,72 @@ class StoreContract:
             "completed": 1,
             "failed": 1,
         }
+
+    # -- listing (an optional verb: `scan`) ----------------------------------------------------
+
+    async def test_scan_lists_records_by_every_filter(self, h: Harness) -> None:
+        """scan returns the records that pass every filter given (state, operation, principal,
+        created at or before an instant), oldest first, each as `get` has it but without its
+        response; released records are gone from it."""
+        t0 = h.clock()
+        old = await h.acquire(scope("stuck", principal="alice"), "fp")
+        h.clock.advance(timedelta(minutes=10))
+        t1 = h.clock()
+        done = await h.acquire(scope("done", principal="bob"), "fp")
+        await h.complete(scope("done", principal="bob"), done, b"body")
+        h.clock.advance(timedelta(minutes=1))
+        await h.acquire(scope("fresh", operation="refund", principal="alice"), "fp")
+        failed = await h.acquire(scope("bad", principal=""), "fp")
+        await h.fail(scope("bad", principal=""), failed, b"no")
+        gone = await h.acquire(scope("gone"), "fp")
+        await h.store.release(scope("gone"), gone)
+
+        def keys(records: list[Record]) -> list[str]:
+            return [r.scope.key for r in records]
+
+        everything = await h.scan()
+        assert sorted(keys(everything)) == ["bad", "done", "fresh", "stuck"]
+        assert keys(everything)[:2] == ["stuck", "done"]  # oldest first
+        assert all(r.response is None for r in everything)
+        (stuck,) = [r for r in everything if r.scope.key == "stuck"]
+        whole = await h.store.get(scope("stuck", principal="alice"))
+        assert whole is not None
+        assert stuck == whole  # an in-progress record has no response to leave out
+        assert (stuck.token, stuck.created_at, stuck.lease_expires_at) == (old, t0, t0 + LEASE)
+
+        in_progress = await h.scan(status=Status.IN_PROGRESS)
+        assert sorted(keys(in_progress)) == ["fresh", "stuck"]
+        assert keys(await h.scan(status=Status.COMPLETED)) == ["done"]
+        assert keys(await h.scan(status=Status.FAILED)) == ["bad"]
+        assert keys(await h.scan(operation="refund")) == ["fresh"]
+        assert sorted(keys(await h.scan(principal="alice"))) == ["fresh", "stuck"]
+        assert keys(await h.scan(principal="")) == ["bad"]
+        assert keys(await h.scan(created_before=t0)) == ["stuck"]
+        assert keys(await h.scan(created_before=t1)) == ["stuck", "done"]
+        stuck_for_5_min = await h.scan(
+            status=Status.IN_PROGRESS, created_before=h.clock() - timedelta(minutes=5)
+        )
+        assert keys(stuck_for_5_min) == ["stuck"]
+        assert await h.scan(status=Status.COMPLETED, principal="alice") == []
+        assert await h.scan(operation="no-such-operation") == []
+
+    async def test_scan_is_bounded_by_its_limit(self, h: Harness) -> None:
+        """scan returns at most ``limit`` records, each passing the filters, and refuses a
+        limit that is not 1 to 10000 before it reads anything."""
+        for n in range(7):
+            token = await h.acquire(scope(f"k{n}"), "fp")
+            if n % 2:
+                await h.complete(scope(f"k{n}"), token, b"ok")
+        some = await h.scan(limit=3)
+        assert len(some) == 3
+        assert len({r.scope for r in some}) == 3
+        settled = await h.scan(status=Status.COMPLETED, limit=2)
+        assert len(settled) == 2
+        assert all(r.status is Status.COMPLETED for r in settled)
+        assert len(await h.scan(status=Status.COMPLETED, limit=10)) == 3
+        for bad in (0, -1, 10_001):
+            with pytest.raises(ConfigurationError):
+                await h.scan(limit=bad)
 
     # -- whose clock (SPEC §2 rule 9) ----------------------------------------------------------
 

@@ -20,6 +20,7 @@ from ..._core.ops import Checkpoint, Release, Renew, Reserve, Settle
 from ..._core.record import Acquired, Record, Reservation, Status, judge
 from ...errors import ConfigurationError, CorruptRecordError, FencedError
 from .. import _clock
+from .._scan import ScanFilter
 
 T = TypeVar("T")
 Rows = list[tuple[Any, ...]]
@@ -53,6 +54,8 @@ COLUMNS = (
     "principal, operation, idem_key, fingerprint, state, token, lease_expires_at, response,"
     " created_at, updated_at, expires_at, recovery_point"
 )
+# What a listing reads: every column but the response, which a listing never carries.
+LISTED_COLUMNS = COLUMNS.replace(" response,", " NULL AS response,")
 _WHERE_SCOPE = "principal = :principal AND operation = :operation AND idem_key = :key"
 # PostgreSQL keeps 63 bytes of a name and cuts the rest silently (MariaDB refuses past 64).
 _MAX_NAME = 63
@@ -400,6 +403,32 @@ class SqlDialect:
             self.scope_params(scope),
         )
         return bool(rows)
+
+    def scan(self, where: ScanFilter) -> SqlGen[list[Record]]:
+        """Up to ``where.limit`` records that pass ``where``, oldest first, without their
+        responses (the optional ``scan`` verb; never on a hot path). Unindexed filters
+        make it a scan of the table, as `stats` is; the limit bounds what comes back."""
+        clauses: list[str] = []
+        params: dict[str, Any] = {"limit": where.limit}
+        if where.status is not None:
+            clauses.append("state = :state")
+            params["state"] = where.status.value
+        if where.operation is not None:
+            clauses.append("operation = :operation")
+            params["operation"] = where.operation
+        if where.principal is not None:
+            clauses.append("principal = :principal")
+            params["principal"] = where.principal
+        if where.created_before is not None:
+            clauses.append(f"created_at <= {self.cast_time('created_before')}")
+            params["created_before"] = self.db_time(where.created_before)
+        condition = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        rows = yield Statement(
+            f"SELECT {LISTED_COLUMNS} FROM {self.table}{condition}"
+            " ORDER BY created_at, idem_key LIMIT :limit",
+            params,
+        )
+        return [self.record(row) for row in rows or ()]
 
     def stats(self) -> SqlGen[dict[str, int]]:
         rows = yield Statement(f"SELECT state, count(*) FROM {self.table} GROUP BY state", {})

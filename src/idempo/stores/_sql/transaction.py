@@ -27,6 +27,7 @@ from ...errors import (
     StoreUnavailableError,
     TransactionOwnershipError,
 )
+from .._scan import ScanFilter
 from ..base import Mode
 from .dialect import SqlDialect, SqlGen, Statement
 
@@ -820,6 +821,20 @@ class SqlStore(SyncUnit):
         """How many records are in each state."""
         return self.read(self.dialect.stats())
 
+    def scan(
+        self,
+        *,
+        status: Status | None = None,
+        operation: str | None = None,
+        principal: str | None = None,
+        created_before: datetime | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Up to ``limit`` records passing every filter given, oldest first, without their
+        responses (`get` reads one whole). See `idempo.stores._scan.ScanFilter`."""
+        where = ScanFilter(status, operation, principal, created_before, limit)
+        return self.read(self.dialect.scan(where))
+
 
 class AsyncSqlStore(AsyncUnit):
     """The asynchronous twin of `SqlStore`."""
@@ -854,6 +869,19 @@ class AsyncSqlStore(AsyncUnit):
     async def stats(self) -> dict[str, int]:
         """How many records are in each state."""
         return await self.run(self.dialect.stats())
+
+    async def scan(
+        self,
+        *,
+        status: Status | None = None,
+        operation: str | None = None,
+        principal: str | None = None,
+        created_before: datetime | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """The asynchronous face of `SqlStore.scan`."""
+        where = ScanFilter(status, operation, principal, created_before, limit)
+        return await self.run(self.dialect.scan(where))
 
 
 def bound(dialect: SqlDialect, mode: Mode, lock_timeout: timedelta, executor: Executor) -> SyncUnit:

@@ -15,6 +15,7 @@ import redis.asyncio.retry
 from ..._core.keys import Scope
 from ..._core.record import Record, Reservation, Status
 from ...errors import StoreUnavailableError
+from .._scan import ScanFilter
 from . import _ops
 from ._connect import connect
 from ._errors import ERRORS, translated, translating
@@ -189,6 +190,20 @@ class AsyncRedisStore:
     async def stats(self) -> dict[str, int]:
         """How many records are in each state (a SCAN over the prefix)."""
         return await self._drive(_ops.stats(self._keys, self._cluster))
+
+    async def scan(
+        self,
+        *,
+        status: Status | None = None,
+        operation: str | None = None,
+        principal: str | None = None,
+        created_before: datetime | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Up to ``limit`` records passing every filter given, without their responses (a
+        SCAN over the prefix that stops once it found enough; those found oldest first)."""
+        where = ScanFilter(status, operation, principal, created_before, limit)
+        return await self._drive(_ops.scan(self._keys, where, self._cluster))
 
     async def aclose(self) -> None:
         await self._drain()

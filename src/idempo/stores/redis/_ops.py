@@ -18,6 +18,7 @@ from typing import Any
 
 from ..._core.keys import Scope
 from ..._core.record import Record, Reservation, Status
+from .._scan import ScanFilter, oldest
 from . import _protocol
 from ._protocol import Keys
 from ._scripts import PURGE, RELEASE, RENEW, RESERVE, SETTLE
@@ -177,6 +178,26 @@ def stats(keys: Keys, cluster: bool) -> Generator[Call, Any, dict[str, int]]:
 
     yield from _walk(keys, cluster, visit)
     return counts
+
+
+def scan(keys: Keys, where: ScanFilter, cluster: bool) -> Generator[Call, Any, list[Record]]:
+    """Up to ``where.limit`` records that pass ``where``, without their responses: a SCAN
+    over the prefix that stops once it found enough, the small fields of each page's hashes
+    read in one pipeline. SCAN has no order: the records found are sorted oldest first."""
+    found: list[Record] = []
+
+    def visit(page: list[Any]) -> Generator[Call, Any, bool]:
+        reads: list[Run | Command] = [
+            Command("hmget", (key, *_protocol.LISTED_FIELDS)) for key in page
+        ]
+        for reply in (yield Batch(reads, raise_on_error=False)):
+            record = _protocol.listed_record(reply)
+            if record is not None and where.matches(record):
+                found.append(record)
+        return len(found) >= where.limit
+
+    yield from _walk(keys, cluster, visit)
+    return oldest(found, where.limit)
 
 
 def _walk(

@@ -11,6 +11,7 @@ the scripts add to that ``now``, so every time in a record comes from one clock.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -210,6 +211,25 @@ def fenced(done: Any, scope: Scope, token: int) -> None:
     """A settle's or renewal's answer: 0 means the token no longer holds the record."""
     if not int(done):
         raise FencedError(f"key {scope.key!r}: token {token} is stale")
+
+
+# What a listing reads of each hash: everything but the response.
+LISTED_FIELDS = (b"p", b"o", b"k", b"fp", b"st", b"tok", b"le", b"ca", b"ua", b"ea", b"rp")
+
+
+def listed_record(reply: Any) -> Record | None:
+    """The record (without its response) from an HMGET of `LISTED_FIELDS`; None for a key
+    that holds no record (another type, or a hash without a scope to name it by)."""
+    if not isinstance(reply, list) or len(reply) != len(LISTED_FIELDS):
+        return None
+    fields = {n: v for n, v in zip(LISTED_FIELDS, reply, strict=True) if isinstance(v, bytes)}
+    try:
+        scope = Scope(fields[b"p"].decode(), fields[b"o"].decode(), fields[b"k"].decode())
+    except (KeyError, UnicodeDecodeError):
+        return None
+    # The response is not read: a placeholder passes the settled-record check, then goes.
+    record = _fields_record({**fields, b"resp": b""}, scope)
+    return dataclasses.replace(record, response=None)
 
 
 def page(reply: Any) -> tuple[int, list[Any]]:
