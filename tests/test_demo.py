@@ -61,6 +61,8 @@ def test_demo_command_reports_exactly_once_and_exits_zero(tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     assert "exactly-once held" in result.output
     assert "double charges" in result.output
+    assert "events applied downstream" in result.output
+    assert "events lost" in result.output
 
 
 def test_storm_with_a_crash_charges_each_intent_once(tmp_path: Path) -> None:
@@ -81,6 +83,14 @@ def test_storm_with_a_crash_charges_each_intent_once(tmp_path: Path) -> None:
     assert tally.conflicts == report.reused
     assert len(tally.answers) == 60
     assert all(len(answers) == 1 for answers in tally.answers.values())
+    events = report.events
+    assert events is not None
+    assert events.staged == events.published == events.applied == report.paid
+    assert events.lost == events.applied_twice == 0
+    # Some confirms were lost on purpose: those were published again, and skipped downstream.
+    assert events.lost_confirms > 0
+    assert events.publishes == events.deliveries == events.published + events.lost_confirms
+    assert events.duplicates == events.lost_confirms
 
 
 @pytest.mark.postgres
@@ -90,6 +100,8 @@ def test_storm_on_postgresql(postgres_url: str, pg_schema: str) -> None:
     )
     assert report.exactly_once
     assert report.ledger["payments"] == report.paid > 0
+    assert report.events is not None
+    assert report.events.applied == report.events.staged == report.paid
 
 
 @pytest.mark.redis
@@ -102,6 +114,7 @@ def test_storm_on_redis(redis_url: str, redis_prefix: str) -> None:
                 client.delete(key)
     assert report.exactly_once
     assert report.ledger["payments"] == report.paid > 0
+    assert report.events is None  # no outbox on Redis
 
 
 def test_concurrent_duplicates_execute_once_and_all_get_the_first_bytes(
@@ -132,7 +145,9 @@ def test_concurrent_duplicates_execute_once_and_all_get_the_first_bytes(
     assert len(answers) == 12
     assert {(a.status_code, a.content) for a in answers} == {(201, answers[0].content)}
     assert sum(a.headers.get("idempotent-replayed") != "true" for a in answers) == 1
-    assert server.ledger() == {"payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0}
+    assert server.ledger() == {
+        "payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0, "events": 1
+    }  # fmt: skip
 
 
 def test_a_duplicate_in_flight_gets_409_with_retry_after(server: ExampleServer) -> None:
@@ -196,7 +211,9 @@ def test_a_server_killed_mid_request_recovers_and_charges_once(server: ExampleSe
     with _retrying(server.base) as http:
         retried = http.post("/payments", json=GOOD, headers={"Idempotency-Key": "killed"})
     assert retried.status_code == 201
-    assert server.ledger() == {"payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0}
+    assert server.ledger() == {
+        "payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0, "events": 1
+    }  # fmt: skip
     assert _record(server, "killed").token > dead_token  # taken over once its lease ran out
 
 
@@ -224,7 +241,7 @@ def test_a_server_killed_after_the_charge_never_charges_twice(
             retried = http.post("/payments", json=GOOD, headers={"Idempotency-Key": "charged"})
         assert retried.status_code == 201
         assert server.ledger() == {
-            "payments": 1, "charges": 1, "psp_calls": 2, "double_charges": 0
+            "payments": 1, "charges": 1, "psp_calls": 2, "double_charges": 0, "events": 1
         }  # fmt: skip
         again = httpx.post(f"{server.base}/payments", json=GOOD,
                            headers={"Idempotency-Key": "charged"})  # fmt: skip

@@ -4,6 +4,7 @@ client (the real SQLite file, PostgreSQL schema or Redis prefix behind it)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ import pytest
 import redis
 from starlette.testclient import TestClient
 
+from idempo import Scope
 from idempo.example import create_app
+from idempo.outbox import message_id
 
 GOOD = {"amount": 1250, "currency": "EUR", "card": "4242424242424242"}
 DECLINED = {"amount": 1250, "currency": "EUR", "card": "4000000000000002"}
@@ -51,6 +54,13 @@ def _pay(api: TestClient, key: str, body: Any = GOOD, **headers: str) -> Any:
     return api.post("/payments", json=body, headers={"Idempotency-Key": key, **headers})
 
 
+def _money(api: TestClient) -> dict[str, int]:
+    """The ledger's money columns (the events column has tests of its own)."""
+    ledger: dict[str, int] = api.get("/demo/ledger").json()
+    ledger.pop("events")
+    return ledger
+
+
 def test_a_payment_is_made_once_and_replayed_byte_for_byte(api: TestClient) -> None:
     first = _pay(api, "order-1")
     assert first.status_code == 201
@@ -66,9 +76,7 @@ def test_a_payment_is_made_once_and_replayed_byte_for_byte(api: TestClient) -> N
     assert again.headers["location"] == first.headers["location"]
     assert again.headers["idempotent-replayed"] == "true"
     assert api.get(f"/payments/{payment['id']}").json() == payment
-    assert api.get("/demo/ledger").json() == {
-        "payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0
-    }  # fmt: skip
+    assert _money(api) == {"payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0}
 
 
 def test_a_declined_card_is_a_stored_402_and_no_charge(api: TestClient) -> None:
@@ -78,9 +86,7 @@ def test_a_declined_card_is_a_stored_402_and_no_charge(api: TestClient) -> None:
     again = _pay(api, "order-2", DECLINED)
     assert (again.status_code, again.content) == (402, first.content)
     assert again.headers["idempotent-replayed"] == "true"
-    assert api.get("/demo/ledger").json() == {
-        "payments": 0, "charges": 0, "psp_calls": 1, "double_charges": 0
-    }  # fmt: skip
+    assert _money(api) == {"payments": 0, "charges": 0, "psp_calls": 1, "double_charges": 0}
 
 
 @pytest.mark.parametrize(
@@ -141,9 +147,7 @@ def test_a_transient_failure_releases_the_key_and_the_retry_charges_once(api: Te
     retried = _pay(api, "order-4")
     assert retried.status_code == 201
     assert "idempotent-replayed" not in retried.headers
-    assert api.get("/demo/ledger").json() == {
-        "payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0
-    }  # fmt: skip
+    assert _money(api) == {"payments": 1, "charges": 1, "psp_calls": 1, "double_charges": 0}
 
 
 def test_the_same_key_from_two_principals_is_two_payments(api: TestClient) -> None:
@@ -204,3 +208,59 @@ def test_the_payment_row_commits_with_the_record(postgres_url: str, pg_schema: s
         ).fetchall()
     assert len(rows) == 1
     assert rows[0][1] == "completed"
+
+
+# -- the payment.captured event (the outbox) --------------------------------------------------
+
+
+def _events(store_url: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """The staged events, read from the outbox table: (id, destination, body)."""
+    if store_url.startswith("sqlite"):
+        path = store_url.removeprefix("sqlite:///")
+        with sqlite3.connect(path) as conn:
+            rows = conn.execute("SELECT id, destination, body FROM idempo_outbox").fetchall()
+    else:
+        base, _, query = store_url.partition("?")
+        schema = query.removeprefix("table=").partition(".")[0]
+        with psycopg.connect(base) as pg:
+            rows = pg.execute(
+                f"SELECT id, destination, body FROM {schema}.idempo_outbox"
+            ).fetchall()
+    return [(ident, destination, json.loads(bytes(body))) for ident, destination, body in rows]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'payments.db'}"
+    schema = request.getfixturevalue("pg_schema")
+    return f"{request.getfixturevalue('postgres_url')}?table={schema}.idempo_records"
+
+
+def test_a_payment_stages_one_captured_event_and_a_replay_stages_none(sql_url: str) -> None:
+    """The event commits with the payment; retries replay the answer and stage nothing; a
+    declined card and a transient failure stage nothing either."""
+    with TestClient(create_app(sql_url, sleep=_no_sleep, events="payments.events")) as api:
+        made = _pay(api, "order-8").json()
+        _pay(api, "order-8")
+        _pay(api, "order-9", DECLINED)
+        _pay(api, "order-10", **{"X-Demo-Fail": "transient"})
+        assert api.get("/demo/ledger").json()["events"] == 1
+    [(ident, destination, body)] = _events(sql_url)
+    assert destination == "payments.events"
+    assert body == {"event": "payment.captured", **made}
+    # Derived from the request's scope: the same id on every re-execution of the handler.
+    assert ident == message_id(Scope.of("order-8", operation="POST /payments"), "captured")
+
+
+@pytest.mark.redis
+def test_on_redis_no_event_is_staged(redis_url: str, redis_prefix: str) -> None:
+    """Redis has no transaction to share, so no outbox: the payment is made, no event."""
+    try:
+        with TestClient(create_app(f"{redis_url}?prefix={redis_prefix}", sleep=_no_sleep)) as api:
+            assert _pay(api, "order-11").status_code == 201
+            assert api.get("/demo/ledger").json()["events"] == 0
+    finally:
+        with redis.Redis.from_url(redis_url) as client:
+            for key in client.scan_iter(match=f"{redis_prefix}.demo:*"):
+                client.delete(key)

@@ -55,6 +55,7 @@ from starlette.routing import Route
 from idempo import Idempotency, InvalidPayloadError
 from idempo._http import parse_key
 from idempo.asgi import IdempotencyMiddleware
+from idempo.events import key_digest
 from idempo.stores.postgres import AsyncPostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idempo.wsgi import IdempotencyWSGIMiddleware
@@ -733,7 +734,10 @@ def test_an_undecodable_record_is_a_503_that_says_how_to_evict(
             problem = json.loads(refused.body)
             assert problem["type"] == "urn:idempo:problem:corrupt-record"
             assert "evict" in problem["detail"]
-    assert "evict it: idempo evict STORE-URL corrupt-1 --operation 'POST " in caplog.text
+    # Logged (idempo.store, ERROR) with the key as its digest, never raw.
+    digest = key_digest("corrupt-1")
+    assert f"evict it: idempo evict STORE-URL #{digest} --operation 'POST " in caplog.text
+    assert "corrupt-1" not in caplog.text
     assert len(site.endpoint.reached) == 1
     assert site.records() == [("corrupt-1", "completed")]
     site.clear()  # what `idempo evict` does

@@ -46,6 +46,7 @@ from idempo import (
 from idempo._core.fingerprint import fingerprint
 from idempo._core.keys import Scope
 from idempo.consumer import Consumer, Envelope, Reason
+from idempo.events import key_digest
 from idempo.testing import FakeClock
 
 OPERATION = "tx.defects"
@@ -583,7 +584,9 @@ def test_undecodable_stored_result_is_a_corrupt_record(sqlite_store: Any, status
     idem = Idempotency(sqlite_store, Policy(clock=clock))
     with pytest.raises(CorruptRecordError, match="evict") as raised:
         run_once(idem, key, never, payload=b"x")
-    assert key in str(raised.value)
+    # The key as its digest, never raw (idempo.events.key_digest), and where to evict it.
+    assert key_digest(key) in str(raised.value)
+    assert key not in str(raised.value)
 
 
 def test_consumer_handler_that_commits_is_failed_for_good(business: Database) -> None:

@@ -208,6 +208,8 @@ def _demo(store: str | None, intents: int, retries: int, concurrency: int, *, cr
         raise typer.Exit(1)
     console.print("[green]exactly-once held:[/green] every payment charged once, and every")
     console.print("caller of an intent got the same answer, byte for byte.")
+    if report.events is not None:
+        console.print("Every payment.captured event was applied downstream once.")
 
 
 def _serve(store: str | None, host: str, port: int) -> None:
@@ -241,6 +243,7 @@ def _print_report(report: Any) -> None:
         ("intents answered inconsistently", report.inconsistent),
         ("callers left without an answer", tally.unanswered),
         ("double charges", ledger["double_charges"]),
+        *report.event_rows(),
     ]:
         table.add_row(name, str(value))
     console.print(table)

@@ -41,7 +41,8 @@ Reason               when                                                       
 ===================  ==========================================================  ============
 
 Every outcome is counted in ``consumer.counts`` and logged on the ``idempo.consumer`` logger
-(refusals at ERROR, requeues and failures at WARNING).
+(refusals, fenced holders and store failures at ERROR, requeues and failures at WARNING),
+with the message id as its `idempo.events.key_digest`.
 
 Two modes, as for the function API (docs/transactions.md):
 
@@ -104,6 +105,7 @@ from .errors import (
     StoreError,
     TransactionOwnershipError,
 )
+from .events import key_digest, scrub
 from .guard import AsyncHandle, AsyncIdempotency, Attempt, FunctionCodec, Handle, Idempotency
 from .serializers import Serializer
 from .stores.base import Mode
@@ -256,14 +258,15 @@ class _ConsumerCodec(FunctionCodec):
             return record.response
 
 
-# How loudly each outcome is logged: refusals need a human, requeues and failures a look.
+# How loudly each outcome is logged: refusals, a fenced stale holder and a store failure
+# need a human (ERROR), requeues and failures a look.
 _LEVELS = {
     Reason.EXECUTED: logging.DEBUG,
     Reason.DUPLICATE: logging.INFO,
     Reason.IN_PROGRESS: logging.INFO,
     Reason.TRANSIENT: logging.WARNING,
-    Reason.UNAVAILABLE: logging.WARNING,
-    Reason.FENCED: logging.WARNING,
+    Reason.UNAVAILABLE: logging.ERROR,
+    Reason.FENCED: logging.ERROR,
     Reason.FAILED: logging.WARNING,
     Reason.NO_KEY: logging.ERROR,
     Reason.INVALID_KEY: logging.ERROR,
@@ -390,6 +393,7 @@ class _Consumer:
             "principal": principal,
             "mode": self.mode,
             "codec": self.codec,
+            "surface": "consumer",
             # A slow handler keeps its key; a lost lease fences it (an outcome of FENCED).
             "renew_every": self.idempotency.policy.lease / 3,
         }
@@ -438,8 +442,29 @@ class _Consumer:
             self.counts[outcome.reason] += 1
         level = _LEVELS[outcome.reason]
         if logger.isEnabledFor(level):
-            shown = outcome.key if outcome.key is not None else _shown_id(envelope.id)
-            error = f" ({type(outcome.error).__name__}: {outcome.error})" if outcome.error else ""
+            # The id as its digest (`idempo.events.key_digest`) unless the guard reveals keys.
+            key = outcome.key if outcome.key is not None else envelope.id
+            reveal = self.idempotency.reveal_keys
+            digest = key_digest(key) if key else None
+            if reveal or not key:
+                shown = json.dumps(key) if key else _shown_id(envelope.id)
+            else:
+                shown = f"#{digest}"
+            error = ""
+            if outcome.error is not None:
+                text = str(outcome.error)
+                error = f" ({type(outcome.error).__name__}: "
+                error += f"{text if reveal or not key else scrub(text, key, digest)})"
+            fields: dict[str, Any] = {
+                "idempo_kind": outcome.reason.value,
+                "idempo_outcome": outcome.reason.value,
+                "idempo_action": outcome.action.value,
+                "idempo_operation": self.name,
+                "idempo_surface": "consumer",
+                "idempo_key_digest": digest,
+            }
+            if reveal and key:
+                fields["idempo_key"] = key
             logger.log(
                 level,
                 "idempo: consumer %r, message %s: %s%s -> %s",
@@ -448,7 +473,9 @@ class _Consumer:
                 _WHY[outcome.reason],
                 error,
                 outcome.action.value,
+                # A transient failure's traceback is the handler's, and says where it broke.
                 exc_info=outcome.error if outcome.reason is Reason.TRANSIENT else None,
+                extra=fields,
             )
         return outcome
 

@@ -8,31 +8,49 @@ one customer wants) gets one key, and several concurrent clients send it, each t
 (``X-Demo-Fail``); some are declined; some keys are reused later with another payload. Partway
 through, the server is SIGKILLed with requests in flight and started again on the same store.
 
+Each payment stages a "payment.captured" event in the outbox, in the payment's transaction.
+Meanwhile a relay (`idempo.outbox.Relay`) publishes them to an in-process publisher that hands
+each to an idempo consumer; now and then the publisher loses the confirm of a message it did
+deliver (as when a relay dies between the broker's confirm and marking the message sent), so
+the relay publishes it again and the consumer must skip the copy.
+
 Exactly-once is then checked against the data, not the clients' word: every caller of an
-intent got the same bytes, the ledger holds one payment and one charge per paid intent, and
-no intent was charged twice.
+intent got the same bytes, the ledger holds one payment and one charge per paid intent, no
+intent was charged twice, and every payment's event was applied downstream once: none lost,
+none applied twice. (On Redis there is no outbox: no event is staged or counted.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
+import logging
 import random
 import tempfile
 import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from .client import IdempotentTransport, RetryPolicy
+from .consumer import AsyncConsumer, Delivery, Envelope, Reason
 from .example.server import ExampleServer
+from .guard import AsyncIdempotency
+from .outbox import OutboxMessage, Relay, exponential_backoff
+from .outbox.publishers import MemoryPublisher
+from .stores.memory import AsyncMemoryStore
 
-__all__ = ["Report", "Tally", "run_storm"]
+__all__ = ["Events", "Report", "Tally", "run_storm"]
 
 # Short, so the storm also shows a crashed server's keys coming free; renewed while handlers live.
 DEMO_LEASE_SECONDS = 2.0
@@ -90,6 +108,37 @@ class Tally:
 
 
 @dataclass(frozen=True)
+class Events:
+    """The "payment.captured" events, from the outbox to the consumer that applied them.
+
+    Attributes:
+        staged: events the payments staged (the outbox's rows, a delta over the run).
+        published: distinct events the relay published.
+        publishes: publish calls, the relay's retries included.
+        lost_confirms: publishes delivered whose confirm the publisher then lost, so the
+            relay published them again.
+        deliveries: messages handed to the consumer, copies included.
+        applied: distinct events the consumer applied.
+        applied_twice: events applied more than once (must be 0).
+        duplicates: copies the consumer recognised and skipped.
+    """
+
+    staged: int
+    published: int
+    publishes: int
+    lost_confirms: int
+    deliveries: int
+    applied: int
+    applied_twice: int
+    duplicates: int
+
+    @property
+    def lost(self) -> int:
+        """Staged events never applied (must be 0)."""
+        return max(self.staged - self.applied, 0)
+
+
+@dataclass(frozen=True)
 class Report:
     """The outcome, from the clients' answers and the server's ledger (before/after deltas)."""
 
@@ -100,6 +149,7 @@ class Report:
     declined: int
     reused: int
     crashes: int
+    events: Events | None = None  # None on Redis: no outbox there
 
     @property
     def inconsistent(self) -> int:
@@ -116,6 +166,31 @@ class Report:
             and self.ledger["charges"] == self.paid
             and self.ledger["double_charges"] == 0
             and self.tally.conflicts == self.reused
+            and (self.events is None or self._events_once(self.events))
+        )
+
+    def event_rows(self) -> list[tuple[str, int | str]]:
+        """The report's rows for the "payment.captured" events (`idempo demo` prints them)."""
+        events = self.events
+        if events is None:
+            return [("payment.captured events", "none: no outbox on Redis")]
+        return [
+            ("payment.captured events staged (with their payments)", events.staged),
+            ("events published by the relay", events.published),
+            ("confirms lost after delivery (published again)", events.lost_confirms),
+            ("deliveries to the consumer (copies included)", events.deliveries),
+            ("copies skipped by the consumer (duplicates)", events.duplicates),
+            ("events applied downstream", events.applied),
+            ("events lost", events.lost),
+            ("events applied twice", events.applied_twice),
+        ]
+
+    def _events_once(self, events: Events) -> bool:
+        return (
+            events.staged == self.paid
+            and events.lost == 0
+            and events.applied_twice == 0
+            and events.applied == events.staged
         )
 
 
@@ -228,14 +303,128 @@ def run_storm(
     """Serve the example API on ``url`` (default: a fresh SQLite file), storm it, report."""
     workdir = Path(tempfile.mkdtemp(prefix="idempo-demo-"))
     url = url or f"sqlite:///{workdir / 'demo.db'}"
+    rng = random.Random(seed)
     server = ExampleServer(url, workdir / "server.log", lease=DEMO_LEASE_SECONDS)
     server.start()
+    relay = None if url.startswith(("redis", "rediss")) else _RelayThread(url, rng.random())
+    # The lost confirms are on purpose: the report counts them, the log need not.
+    with _quiet("idempo.outbox"):
+        return _run(server, relay, intents, retries, concurrency, crash, rng, on_progress)
+
+
+def _run(
+    server: ExampleServer,
+    relay: _RelayThread | None,
+    intents: int,
+    retries: int,
+    concurrency: int,
+    crash: bool,
+    rng: random.Random,
+    on_progress: Callable[[int, int], None] | None,
+) -> Report:
     try:
-        return _storm(
-            server, intents, retries, concurrency, crash, random.Random(seed), on_progress
-        )
+        if relay is not None:
+            relay.start()
+        report = _storm(server, intents, retries, concurrency, crash, rng, on_progress)
+        if relay is None:
+            return report
+        return dataclasses.replace(report, events=relay.finish(report.ledger["events"]))
     finally:
+        if relay is not None:
+            relay.stop()
         server.stop()
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """The ``name`` logger silenced for the block, as it was after."""
+    log = logging.getLogger(name)
+    propagate, log.propagate = log.propagate, False
+    silent = logging.NullHandler()
+    log.addHandler(silent)
+    try:
+        yield
+    finally:
+        log.removeHandler(silent)
+        log.propagate = propagate
+
+
+class _RelayThread:
+    """A relay on the demo's database, publishing to an in-process publisher that hands each
+    message to an idempo consumer; its own event loop, in a thread beside the storm."""
+
+    # About one message in eight first loses its confirm after it was delivered.
+    LOST_CONFIRM = 0.125
+
+    def __init__(self, url: str, seed: float) -> None:
+        self.url = url
+        self.rng = random.Random(seed)
+        self.consumer = AsyncConsumer(
+            AsyncIdempotency(AsyncMemoryStore()), name="ledger.captured", horizon=timedelta(0)
+        )
+        self.publisher = MemoryPublisher(self._deliver)
+        self.applied: Counter[str] = Counter()
+        self.deliveries = 0
+        self.lost_confirms = 0
+        self.expected: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="idempo-demo-relay", daemon=True)
+        self.error: BaseException | None = None
+
+    async def _apply(self, delivery: Delivery[OutboxMessage]) -> None:
+        self.applied[delivery.key] += 1  # the downstream effect
+
+    async def _deliver(self, message: OutboxMessage) -> None:
+        self.deliveries += 1
+        await self.consumer.process(message, Envelope(message.id, message.body), self._apply)
+        if message.attempts == 0 and self.rng.random() < self.LOST_CONFIRM:
+            self.lost_confirms += 1
+            raise ConnectionError("the broker's confirm was lost (the message was delivered)")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._relay())
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self.error = exc
+
+    async def _relay(self) -> None:
+        backoff = exponential_backoff(timedelta(milliseconds=50), timedelta(seconds=1), jitter=0)
+        async with Relay(self.url, self.publisher, poll=0.05, backoff=backoff) as relay:
+            # Step by step rather than relay.running(): stopping between two batches, never
+            # cancelling one whose database call is still running in the store's thread.
+            while not self._stop.is_set():
+                await relay.drain()
+                await asyncio.sleep(0.05)
+            # The storm is over: publish what is left (and what waits for its retry).
+            deadline = time.monotonic() + 30
+            while len(self.applied) < (self.expected or 0) and time.monotonic() < deadline:
+                await relay.drain()
+                await asyncio.sleep(0.05)
+
+    def finish(self, staged: int) -> Events:
+        """Let the relay publish all ``staged`` events, stop it, and count."""
+        self.expected = staged
+        self.stop()
+        if self.error is not None:
+            raise self.error
+        counts = self.consumer.counts
+        return Events(
+            staged=staged,
+            published=len({message.id for message in self.publisher.published}),
+            publishes=len(self.publisher.published),
+            lost_confirms=self.lost_confirms,
+            deliveries=self.deliveries,
+            applied=len(self.applied),
+            applied_twice=sum(1 for n in self.applied.values() if n > 1),
+            duplicates=counts[Reason.DUPLICATE],
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
 
 
 def _storm(

@@ -25,7 +25,8 @@ import functools
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+import shlex
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import timedelta
 from types import MappingProxyType, TracebackType
 from typing import (
@@ -57,17 +58,22 @@ from ._core.flow import (
     performer,
     pump,
 )
-from ._core.keys import Scope, derive_key, evict_hint
-from ._core.progress import Progress
+from ._core.keys import Scope, derive_key
+from ._core.observed import AsyncObserved, Observed
+from ._core.progress import NO_PROGRESS, Progress
 from ._core.record import Record, Status
 from ._core.renewal import Renewal, ThreadRenewal
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
     FencedError,
+    FingerprintMismatchError,
     IdempotencyError,
     ReplayedFailureError,
+    RequestInProgressError,
+    StoreError,
 )
+from .events import Emitter, Kind, Observer, Surface, key_digest
 from .policy import Policy
 from .serializers import Serializer, return_serializer
 from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
@@ -84,6 +90,15 @@ __all__ = [
 ]
 
 _logger = logging.getLogger("idempo")
+
+
+def _debugging() -> bool:
+    """Whether any layer's logger would show the normal path's DEBUG lines."""
+    return any(
+        logging.getLogger(name).isEnabledFor(logging.DEBUG)
+        for name in ("idempo.guard", "idempo.http")
+    )
+
 
 if TYPE_CHECKING:
     # A bare `Attempt` stays `Attempt[Any]` under `mypy --strict` (PEP 696), as before it
@@ -135,10 +150,14 @@ class FunctionCodec:
             error, detail = str(failure.get("error", "?")), str(failure.get("detail", ""))
         except Exception as exc:
             # Nothing runs and nothing is replayed until an operator evicts the record.
+            # The key as a digest (events.key_digest): the app knows its own key, and the
+            # hint names where the key goes.
             raise CorruptRecordError(
-                f"the stored {record.status.value} record of key {record.scope.key!r} cannot"
-                f" be decoded ({type(exc).__name__}: {exc}); evict it:"
-                f" {evict_hint(record.scope)}"
+                f"the stored {record.status.value} record of key#{key_digest(record.scope.key)}"
+                f" (operation {record.scope.operation!r}) cannot be decoded"
+                f" ({type(exc).__name__}: {exc}); evict it:"
+                f" idempo evict STORE-URL KEY --operation {shlex.quote(record.scope.operation)}"
+                " --principal PRINCIPAL (with the key, and the principal, it was stored under)"
             ) from exc
         raise ReplayedFailureError(error, detail)
 
@@ -184,10 +203,9 @@ class Attempt(Generic[T]):
         self.replayed = replayed
         self.result = result
         self.token = token
-        self.resumed = recovery_point is not None
-        self._progress = Progress.decode(recovery_point)
-        self._renew: Callable[[], Any] | None = None
-        self._checkpoint: Callable[[str], Any] | None = None
+        self._progress = NO_PROGRESS if recovery_point is None else Progress.decode(recovery_point)
+        # The call that executes this attempt (None on a replay): it renews and records steps.
+        self._handle: _Pending[Any] | None = None
         self._lost: FencedError | None = None
 
     def __repr__(self) -> str:
@@ -196,6 +214,10 @@ class Attempt(Generic[T]):
     @property
     def lease_lost(self) -> bool:
         return self._lost is not None
+
+    @property
+    def resumed(self) -> bool:
+        return self._progress.resumed
 
     @property
     def recovery_point(self) -> str | None:
@@ -224,7 +246,7 @@ class Attempt(Generic[T]):
         return derive_key(scope.key, f"{label}|{scope.principal}|{scope.operation}")
 
     def _next_point(self, step: str, state: Mapping[str, Any] | None) -> tuple[Progress, str]:
-        if self._checkpoint is None:
+        if self._handle is None:
             raise ConfigurationError(
                 "a replayed attempt records no steps: the work already ran"
                 if self.replayed
@@ -254,7 +276,7 @@ class Attempt(Generic[T]):
         """
         progress, point = self._next_point(step, state)
         try:
-            self._checkpoint(point)  # type: ignore[misc] # set, per _next_point
+            self._handle._checkpoint(point)  # type: ignore[union-attr] # set, per _next_point
         except FencedError as exc:
             self._lose(exc)
             raise
@@ -264,9 +286,9 @@ class Attempt(Generic[T]):
         """Extend this attempt's lease (long work). Raises `FencedError` if it was lost: at
         once, with no round trip, once any renewal found it lost."""
         self._check_lease()
-        if self._renew is not None:
+        if self._handle is not None:
             try:
-                self._renew()
+                self._handle._renew()
             except FencedError as exc:
                 self._lose(exc)
                 raise
@@ -279,6 +301,8 @@ class Attempt(Generic[T]):
     def _lose(self, exc: FencedError) -> None:
         if self._lost is None:
             self._lost = exc
+            if self._handle is not None:
+                self._handle._events().emit(Kind.LEASE_LOST, token=self.token, error=exc)
 
 
 class AsyncAttempt(Attempt[T]):
@@ -287,9 +311,9 @@ class AsyncAttempt(Attempt[T]):
 
     async def renew(self) -> None:  # type: ignore[override]
         self._check_lease()
-        if self._renew is not None:
+        if self._handle is not None:
             try:
-                await outlasting(self._renew())
+                await outlasting(self._handle._renew())
             except FencedError as exc:
                 self._lose(exc)
                 raise
@@ -299,7 +323,7 @@ class AsyncAttempt(Attempt[T]):
     ) -> None:
         progress, point = self._next_point(step, state)
         try:
-            await outlasting(self._checkpoint(point))  # type: ignore[misc]
+            await outlasting(self._handle._checkpoint(point))  # type: ignore[union-attr]
         except FencedError as exc:
             self._lose(exc)
             raise
@@ -316,7 +340,10 @@ class _Pending(Generic[T]):
     attempt: Attempt[T]
     _attempt_class: type[Attempt[Any]]
     _renewal_class: type[ThreadRenewal] | type[Renewal]
+    _observed_class: type[Observed]
     _run: Execute  # once the work runs: its recovery point is kept current for the flow
+    # Set only when someone observes the guard (`idempo.events`): the unit is then observed.
+    _observed: Observed | None = None
 
     def __init__(
         self,
@@ -326,7 +353,15 @@ class _Pending(Generic[T]):
         policy: Policy,
         codec: Codec,
         renew_every: float | None,
+        guard: _Guard[Any, Any],
+        surface: Surface = "function",
     ) -> None:
+        self._guard = guard
+        self._surface = surface
+        if guard._observing:  # the one test a call with no observer pays
+            self._observed = unit = self._observed_class(
+                unit, guard._emitter(scope, surface), policy
+            )
         self._unit = unit
         self._scope = scope
         self._policy = policy
@@ -347,9 +382,15 @@ class _Pending(Generic[T]):
             )
             self._token = step.token
             self._run = step
-            attempt._renew = self._renew
-            attempt._checkpoint = self._checkpoint
+            attempt._handle = self
             self.attempt = attempt
+            observed = self._observed
+            if observed is not None:
+                observed.report(
+                    observed.acquired or Kind.EXECUTED,
+                    token=step.token,
+                    store_seconds=observed.store_seconds,
+                )
             if self._every is not None:
                 # Async: started in the task that runs the work; a lost lease cancels it.
                 self._renewal = self._renewal_class(attempt, self._every, _logger)  # type: ignore[arg-type]
@@ -360,10 +401,74 @@ class _Pending(Generic[T]):
         self.attempt = self._attempt_class(
             self._scope, replayed=True, result=self._codec.decode(step.record)
         )
+        observed = self._observed
+        if observed is not None:
+            observed.report(
+                Kind.REPLAYED, token=step.record.token, store_seconds=observed.store_seconds
+            )
         return self.attempt
 
     def _begin(self) -> Any:
         raise NotImplementedError
+
+    def _events(self) -> Emitter:
+        """This call's emitter; made on the spot for a decision worth reporting even when
+        nobody observes the guard (a refusal, a fault: it is logged)."""
+        observed = self._observed
+        if observed is not None:
+            return observed.emitter
+        return self._guard._emitter(self._scope, self._surface)
+
+    def _refused(self, exc: BaseException) -> None:
+        """Report why the reservation ended without the work (the error being raised)."""
+        if isinstance(exc, ReplayedFailureError):
+            kind = Kind.REPLAYED  # a recorded failure, replayed as the error it was
+        elif isinstance(exc, FingerprintMismatchError):
+            kind = Kind.MISMATCH
+        elif isinstance(exc, RequestInProgressError):
+            kind = Kind.IN_PROGRESS
+        elif isinstance(exc, Exception):
+            kind = Kind.STORE_UNAVAILABLE  # a store fault, or one the store was set up with
+        else:
+            return  # a cancellation: the flow released what it held, and said so
+        observed = self._observed
+        if observed is None:
+            self._events().emit(kind, error=exc)
+            return
+        wait = observed.wait_seconds() if kind is Kind.IN_PROGRESS else None
+        observed.report(kind, wait_seconds=wait, store_seconds=observed.store_seconds, error=exc)
+
+    def _settled(self, observed: Observed, exc: BaseException | None) -> None:
+        """Report how the call settled: what the observed unit heard, with ``exc`` (what the
+        work or the settling raised) as its error when the store had none."""
+        settled = observed.settled
+        if settled is None:
+            # No settling answer came: the flow swallowed a store fault (a discard that
+            # failed), and the key stays in progress until its lease ends.
+            observed.report(Kind.UNRECORDED, token=self._token, error=exc)
+            return
+        kind, seconds, error = settled
+        observed.report(kind, token=self._token, store_seconds=seconds, error=error or exc)
+
+    def _gave_up(self, exc: BaseException) -> None:
+        """After work that raised ``exc`` (raised on, as it is): report the release or the
+        recorded failure, or what kept the flow from making it (the key then frees when
+        its lease ends)."""
+        observed = self._observed
+        if observed is not None:
+            self._settled(observed, self._run.fault or exc)
+        elif self._run.fault is not None:
+            self._unsettled(self._run.fault)
+
+    def _unsettled(self, exc: BaseException) -> None:
+        """After the work: report a settling that raised ``exc`` (to the app)."""
+        observed = self._observed
+        if observed is not None:
+            self._settled(observed, exc)
+        elif isinstance(exc, FencedError):
+            self._events().emit(Kind.FENCED, token=self._token, error=exc)
+        elif isinstance(exc, StoreError):
+            self._events().emit(Kind.UNRECORDED, token=self._token, error=exc)
 
     def _renew(self) -> Any:
         policy = self._policy
@@ -402,12 +507,17 @@ class Handle(_Pending[T]):
     attempt: Attempt[T]
     _attempt_class = Attempt
     _renewal_class = ThreadRenewal
+    _observed_class = Observed
     _renewal: ThreadRenewal | None
 
     def _enter(self) -> Attempt[T]:
         # Typed locals, not cast(): this runs on every call, and casts are calls.
         flow: Flow = self._flow  # type: ignore[assignment]
-        attempt: Attempt[T] = self._started(pump(flow, self._unit, self._policy, next(flow)))
+        try:
+            attempt: Attempt[T] = self._started(pump(flow, self._unit, self._policy, next(flow)))
+        except BaseException as exc:
+            self._refused(exc)
+            raise
         return attempt
 
     def _begin(self) -> Handle[T]:
@@ -459,8 +569,12 @@ class Handle(_Pending[T]):
             )
         except BaseException as raised:
             if raised is exc:
+                self._gave_up(raised)
                 return
+            self._unsettled(raised)
             raise
+        if self._observed is not None:
+            self._settled(self._observed, None)
         if isinstance(step, Done):
             return
         raise AssertionError("the flow asked to execute twice")
@@ -499,13 +613,18 @@ class AsyncHandle(_Pending[T]):
     attempt: AsyncAttempt[T]
     _attempt_class = AsyncAttempt
     _renewal_class = Renewal
+    _observed_class = AsyncObserved
     _renewal: Renewal | None
 
     async def _enter(self) -> AsyncAttempt[T]:
         flow: Flow = self._flow  # type: ignore[assignment]
-        attempt: AsyncAttempt[T] = self._started(
-            await apump(flow, self._unit, self._policy, next(flow))
-        )
+        try:
+            attempt: AsyncAttempt[T] = self._started(
+                await apump(flow, self._unit, self._policy, next(flow))
+            )
+        except BaseException as exc:
+            self._refused(exc)
+            raise
         return attempt
 
     async def _begin(self) -> AsyncHandle[T]:
@@ -552,8 +671,12 @@ class AsyncHandle(_Pending[T]):
             )
         except BaseException as raised:
             if raised is exc:
+                self._gave_up(raised)
                 return
+            self._unsettled(raised)
             raise
+        if self._observed is not None:
+            self._settled(self._observed, None)
         if isinstance(step, Done):
             if ended is not exc and ended is not None:
                 raise ended
@@ -642,12 +765,57 @@ class _Guard(Generic[OnceT, BegunT]):
     _leased: type[Verbs]
     _capability: type[Any]
 
-    def __init__(self, store: Any, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        policy: Policy | None = None,
+        *,
+        observers: Iterable[Observer] = (),
+        reveal_keys: bool = False,
+    ) -> None:
         self.store = store
         self.policy = policy or Policy()
         # Checked once: a runtime Protocol check costs more than a round trip's worth of
         # Python on every call.
         self._binds = isinstance(store, self._capability)
+        self.observers: tuple[Observer, ...] = tuple(observers)
+        self.reveal_keys = reveal_keys
+        self.store_name = type(store).__name__
+        # Decided once, as the capability: every call is observed when someone listens,
+        # which includes a DEBUG logger for the guard's layers (the normal path's decisions
+        # are logged at DEBUG). Refusals and faults are reported either way.
+        self._observing = bool(self.observers) or _debugging()
+
+    def _emitter(self, scope: Scope, surface: str) -> Emitter:
+        return Emitter(
+            self.observers,
+            operation=scope.operation,
+            key=scope.key,
+            store=self.store_name,
+            surface=surface,
+            reveal=self.reveal_keys,
+        )
+
+    def notify(
+        self,
+        kind: Kind,
+        *,
+        key: str,
+        operation: str,
+        surface: Surface,
+        error: BaseException | None = None,
+    ) -> None:
+        """Report a decision an integration made around this guard (an HTTP middleware
+        failing open, `Kind.FAIL_OPEN`) to its observers and its layer's logger.
+
+        >>> from idempo.stores.memory import MemoryStore
+        >>> seen = []
+        >>> idem = Idempotency(MemoryStore(), observers=[seen.append])
+        >>> idem.notify(Kind.FAIL_OPEN, key="k-1", operation="POST /pay", surface="http")
+        >>> seen[0].kind, seen[0].key_digest == key_digest("k-1"), seen[0].key
+        (<Kind.FAIL_OPEN: 'fail_open'>, True, None)
+        """
+        self._emitter(Scope("", operation, key), surface).emit(kind, error=error)
 
     @property
     def joins_transactions(self) -> bool:
@@ -667,6 +835,7 @@ class _Guard(Generic[OnceT, BegunT]):
         serializer: Serializer | None = None,
         codec: Codec | None = None,
         renew_every: float | timedelta | None = None,
+        surface: Surface = "function",
     ) -> OnceT:
         """Guard a block: it runs once per scope; retries get ``attempt.result`` replayed.
 
@@ -695,6 +864,8 @@ class _Guard(Generic[OnceT, BegunT]):
                 `AsyncIdempotency` the block's task is also cancelled and the block raises
                 `FencedError`. Not needed in transactional mode, where the row lock holds
                 the key.
+            surface: for integrations: the surface the call comes from, as observers see
+                it (`idempo.events.Event.surface`): ``"http"``, ``"consumer"``...
 
         Raises:
             FingerprintMismatchError: the key was used with another payload.
@@ -706,7 +877,7 @@ class _Guard(Generic[OnceT, BegunT]):
         unit = self._unit(conn, mode)
         codec = codec or FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
         every = self._renewal_period(renew_every, held=conn is not None and mode == "transactional")
-        return self._once(unit, scope, payload, self.policy, codec, every)
+        return self._once(unit, scope, payload, self.policy, codec, every, self, surface)
 
     def begin(
         self,
@@ -720,6 +891,7 @@ class _Guard(Generic[OnceT, BegunT]):
         serializer: Serializer | None = None,
         codec: Codec | None = None,
         renew_every: float | timedelta | None = None,
+        surface: Surface = "function",
     ) -> BegunT:
         """Reserve the key now and return the `Handle` (``await`` it on `AsyncIdempotency`:
         an `AsyncHandle`); end the call with ``handle.finish(result)`` or
@@ -746,6 +918,7 @@ class _Guard(Generic[OnceT, BegunT]):
             serializer=serializer,
             codec=codec,
             renew_every=renew_every,
+            surface=surface,
         )
         begun: BegunT = once._begin()
         return begun
@@ -840,6 +1013,11 @@ class Idempotency(_Guard[_Once[Any], Handle[Any]]):
     Args:
         store: where records live (`open_store`).
         policy: leases, retention, serialization and failure rules; defaults to `Policy()`.
+        observers: callables told of every decision (`idempo.events.Event`): executed,
+            replayed, refused, fenced... (`idempo.otel.OpenTelemetryObserver` makes spans
+            and metrics of them). With none, a call builds no event.
+        reveal_keys: put raw keys in events and log lines; by default they carry
+            `idempo.events.key_digest` only.
 
     >>> from idempo.stores.memory import MemoryStore
     >>> idem = Idempotency(MemoryStore())
@@ -856,8 +1034,15 @@ class Idempotency(_Guard[_Once[Any], Handle[Any]]):
     _leased = StoreVerbs
     _capability = TransactionalStore
 
-    def __init__(self, store: Store, policy: Policy | None = None) -> None:
-        super().__init__(store, policy)
+    def __init__(
+        self,
+        store: Store,
+        policy: Policy | None = None,
+        *,
+        observers: Iterable[Observer] = (),
+        reveal_keys: bool = False,
+    ) -> None:
+        super().__init__(store, policy, observers=observers, reveal_keys=reveal_keys)
 
     @overload
     def idempotent(
@@ -900,8 +1085,15 @@ class AsyncIdempotency(_Guard[_AsyncOnce[Any], Coroutine[Any, Any, AsyncHandle[A
     _leased = AsyncStoreVerbs
     _capability = AsyncTransactionalStore
 
-    def __init__(self, store: AsyncStore, policy: Policy | None = None) -> None:
-        super().__init__(store, policy)
+    def __init__(
+        self,
+        store: AsyncStore,
+        policy: Policy | None = None,
+        *,
+        observers: Iterable[Observer] = (),
+        reveal_keys: bool = False,
+    ) -> None:
+        super().__init__(store, policy, observers=observers, reveal_keys=reveal_keys)
 
     @overload
     def idempotent(

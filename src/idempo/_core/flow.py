@@ -53,6 +53,8 @@ class Execute:
 
     token: int
     recovery_point: str | None
+    # A store fault the flow swallowed while giving up (see _abandon), for the guard to report.
+    fault: BaseException | None = None
 
 
 @dataclass(slots=True)
@@ -154,7 +156,8 @@ def _abandon(
     except TransactionOwnershipError as ended:
         yield from _settle_owned(scope, token, codec, policy, ended)
         raise ended from exc
-    except Exception:  # noqa: BLE001 - see above
+    except Exception as fault:  # noqa: BLE001 - see above
+        run.fault = fault
         return
     if not unstorable:
         status, body = codec.encode_error(exc)
@@ -166,8 +169,10 @@ def _abandon(
         # The work took effect outside any transaction of the guard's: a retry must not run
         # it again, so the refusal is what is replayed.
         status, body = Status.FAILED, codec.encode_unstorable(cast(Exception, exc))
-    with suppress(Exception):
+    try:
         yield _outcome(scope, run, status, body, policy)
+    except Exception as fault:  # noqa: BLE001 - see above
+        run.fault = fault
 
 
 def _settle_owned(

@@ -38,6 +38,7 @@ from ..errors import (
     StoreError,
     StoreUnavailableError,
 )
+from ..events import Kind, key_digest, scrub
 from ..guard import AsyncHandle, Handle
 from .fingerprint import canonical_parts
 from .keys import KEY_HEADER, Header, parse_key
@@ -188,16 +189,50 @@ class Lifecycle:
             return stored_text(principal)
         return principal
 
-    def refused(self, exc: IdempotencyError) -> HttpResponse | None:
-        """The answer when the reservation raised; None to run unguarded (failing open)."""
-        if isinstance(exc, CorruptRecordError | SchemaMissingError):
-            # Never fail open here: the record may say the work already ran, and a missing
-            # schema is a deployment to fix, not an outage to run through.
-            logger.error("idempo: %s", exc)
-        elif isinstance(exc, StoreError) and self.settings.fail_open:
-            logger.warning("idempo: store unavailable, running the request unguarded: %s", exc)
+    def refused(
+        self,
+        exc: IdempotencyError,
+        key: str | None = None,
+        request: Request | None = None,
+        *,
+        reported: bool = True,
+    ) -> HttpResponse | None:
+        """The answer when the reservation raised; None to run unguarded (failing open).
+        The guard has reported the refusal (`idempo.events`) unless ``reported`` is False
+        (the app's connection could not be opened, before any guard ran: reported here as
+        `Kind.STORE_UNAVAILABLE`); failing open is reported here, as `Kind.FAIL_OPEN`."""
+        if not reported and key is not None and isinstance(exc, StoreError):
+            self.idempotency.notify(
+                Kind.STORE_UNAVAILABLE,
+                key=key,
+                operation=self._named(request),
+                surface="http",
+                error=exc,
+            )
+        # Never fail open on a corrupt record or a missing schema: the record may say the
+        # work already ran, and a missing schema is a deployment to fix, not an outage.
+        if (
+            isinstance(exc, StoreError)
+            and not isinstance(exc, CorruptRecordError | SchemaMissingError)
+            and self.settings.fail_open
+        ):
+            if key is not None:
+                operation = self._named(request)
+                self.idempotency.notify(
+                    Kind.FAIL_OPEN, key=key, operation=operation, surface="http", error=exc
+                )
             return None
         return self.problem(exc)
+
+    def _named(self, request: Request | None) -> str:
+        """The request's operation for a report, whatever its resolver does (it may be what
+        failed)."""
+        if request is None:
+            return "?"
+        try:
+            return self.operation(request) or f"{request.method} {stored_text(request.path)}"
+        except Exception:  # noqa: BLE001 - a report never replaces the answer
+            return f"{request.method} {stored_text(request.path)}"
 
     def unkept(self, status: int, size: int) -> UnkeptResponse:
         """A response that grew past ``max_response_bytes``: sent, recorded as not stored."""
@@ -211,20 +246,39 @@ class Lifecycle:
         record failed (a store fault, a lost lease), and a retry may execute again once the
         lease ends.
         """
+        # The guard reported the fault itself (fenced, unrecorded); this says what the
+        # client gets. The key as its digest (`idempo.events.key_digest`).
+        shown = self._shown(key)
+        fields = {"idempo_key_digest": key_digest(key), "idempo_surface": "http"}
+        error = self._scrubbed(exc, key)
         if isinstance(exc, ResponseTooLargeError):
             # The policy's own limit (a shared guard's) was stricter than the middleware's:
             # the guard recorded a response-not-stored failure; the client still gets it all.
-            logger.warning("idempo: the response for key %r is too large to store: %s", key, exc)
+            logger.warning(
+                "idempo: the response for %s is too large to store: %s", shown, error, extra=fields
+            )
             return True
         if on_connection:
             logger.warning(
-                "idempo: the outcome for key %r did not commit; nothing was kept: %s", key, exc
+                "idempo: the outcome for %s did not commit; nothing was kept: %s",
+                shown,
+                error,
+                extra=fields,
             )
             return False
         logger.warning(
-            "idempo: the response for key %r is sent but could not be recorded: %s", key, exc
+            "idempo: the response for %s is sent but could not be recorded: %s",
+            shown,
+            error,
+            extra=fields,
         )
         return True
+
+    def _shown(self, key: str) -> str:
+        return f"key {key!r}" if self.idempotency.reveal_keys else f"key#{key_digest(key)}"
+
+    def _scrubbed(self, exc: BaseException, key: str) -> str:
+        return str(exc) if self.idempotency.reveal_keys else scrub(str(exc), key)
 
     def not_committed(self) -> HttpResponse:
         """The answer when, on the app's connection, the outcome failed to commit (a lost
@@ -287,6 +341,7 @@ class Lifecycle:
             conn=conn,
             mode=settings.mode,
             codec=settings.codec,
+            surface="http",
         )
 
 
@@ -302,15 +357,17 @@ def reserve(
     ``operation``: `Lifecycle.operation` of the request, if the adapter asked it already.
     """
     stack = ExitStack()
+    guarded = False
     try:
         principal = lifecycle.principal(request)
         conn = None
         if lifecycle.settings.connection is not None:
             conn = _opened(lambda: stack.enter_context(lifecycle.settings.connection()))
+        guarded = True  # from here on the guard reports what it refuses
         handle = lifecycle.begin(key, request, principal, conn, operation)
     except IdempotencyError as exc:
         stack.close()
-        refusal = lifecycle.refused(exc)
+        refusal = lifecycle.refused(exc, key, request, reported=guarded)
         return Unguarded(request.body) if refusal is None else refusal
     except BaseException as exc:
         stack.__exit__(type(exc), exc, exc.__traceback__)
@@ -362,8 +419,12 @@ class Run:
         try:
             self._handle.abort(exc)
         except IdempotencyError as error:
+            key = self.attempt.scope.key
             logger.warning(
-                "idempo: the key %r could not be released: %s", self.attempt.scope.key, error
+                "idempo: %s could not be released: %s",
+                self.lifecycle._shown(key),
+                self.lifecycle._scrubbed(error, key),
+                extra={"idempo_key_digest": key_digest(key), "idempo_surface": "http"},
             )
         finally:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
@@ -405,14 +466,16 @@ async def areserve(
     """`reserve`'s async face, on an `AsyncIdempotency`. With ``connection=``, ``stack``
     holds the app's connection, opened here, for as long as the caller keeps it open. Call
     it in the task that runs the handler: a lost lease cancels that task."""
+    guarded = False
     try:
         principal = lifecycle.principal(request)
         conn = None
         if stack is not None and lifecycle.settings.connection is not None:
             conn = await _aopened(stack, lifecycle.settings.connection)
+        guarded = True  # from here on the guard reports what it refuses
         handle = await lifecycle.begin(key, request, principal, conn, operation)
     except IdempotencyError as exc:
-        refusal = lifecycle.refused(exc)
+        refusal = lifecycle.refused(exc, key, request, reported=guarded)
         return Unguarded(request.body) if refusal is None else refusal
     attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing

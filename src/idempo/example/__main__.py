@@ -1,4 +1,4 @@
-"""``python -m idempo.example --store URL [--host H] [--port N] [--lease SECONDS]``.
+"""``python -m idempo.example --store URL [--host H] [--port N] [--lease SECONDS] [--events D]``.
 
 The process ``idempo demo`` starts, kills and restarts; ``idempo demo --serve`` is the same
 server for people.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from datetime import timedelta
 
-from .app import DEFAULT_LEASE
+from .app import DEFAULT_LEASE, EVENTS
 from .server import serve
 
 
@@ -19,6 +19,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--lease", type=float, default=DEFAULT_LEASE.total_seconds())
+    parser.add_argument("--events", default=EVENTS, help="where payment.captured events go")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     serve(
@@ -26,6 +27,7 @@ def main() -> None:
         host=args.host,
         port=args.port,
         lease=timedelta(seconds=args.lease),
+        events=args.events,
         log_level=args.log_level,
     )
 

@@ -8,13 +8,15 @@
                             -> 201 payment, Location: /payments/<id>
                             -> 402 {"error": "card_declined", ...} for a card ending 0002
     GET  /payments/<id>     -> 200 payment, or 404
-    GET  /demo/ledger       -> {"payments", "charges", "psp_calls", "double_charges"}
+    GET  /demo/ledger       -> {"payments", "charges", "psp_calls", "double_charges", "events"}
 
 The charge goes to a simulated payment provider, a separate system that deduplicates by the
 key the endpoint derives from the request's (`idempo.derive_key`), so a crash after the
 charge and a retry that executes again never charge twice. The endpoint runs
 leased-then-transactional on SQL stores: the reservation commits first (a duplicate in flight
-gets 409 at once); the payment row and the fenced response commit together at the end.
+gets 409 at once); the payment row, its "payment.captured" event (staged in the outbox,
+`idempo.outbox`) and the fenced response commit together at the end. A relay publishes the
+event afterwards (``idempo relay``), with an id derived from the request's scope.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
@@ -40,6 +43,8 @@ from .backends import Backend, Payment, open_backend
 __all__ = ["create_app"]
 
 DEFAULT_LEASE = timedelta(seconds=10)
+EVENTS = "payment.captured"
+"""Where the "payment.captured" events go by default: a routing key, a subject, a stream."""
 PROBLEM = "application/problem+json"
 # SPEC §4: 1-255 printable ASCII characters, bare or as an RFC 8941 string ("...").
 KEY_PATTERN = r'^(?:[!#-~][!-~]{0,254}|"(?:[!#-\[\]-~]|\\["\\]){1,255}")$'
@@ -90,6 +95,7 @@ class LedgerOut(BaseModel):
     charges: int = Field(description="distinct charges at the provider")
     psp_calls: int = Field(description="calls made to the provider")
     double_charges: int = Field(description="intents charged more than once")
+    events: int = Field(description="payment.captured events staged in the outbox")
 
 
 def _problem_response(description: str) -> dict[str, Any]:
@@ -120,6 +126,7 @@ def create_app(
     *,
     lease: timedelta = DEFAULT_LEASE,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    events: str = EVENTS,
 ) -> FastAPI:
     """The example payments API on the store at ``store_url``, which also holds its data.
 
@@ -128,6 +135,8 @@ def create_app(
         lease: the reservation's lease; renewed while a handler lives, so a crashed
             server's keys free within one lease.
         sleep: how ``X-Demo-Delay-Ms`` waits (tests inject their own).
+        events: the destination of the "payment.captured" events (SQL stores stage them
+            in the outbox, ``idempo_outbox`` beside the records; Redis stages none).
 
     >>> app = create_app("sqlite:///payments.db")
     >>> sorted(route.path for route in app.routes if "payments" in route.path)
@@ -141,6 +150,7 @@ def create_app(
         migrate = getattr(store, "migrate", None)
         if migrate is not None:
             await migrate()
+            await backend.migrate(store)
         await backend.setup()
         try:
             yield
@@ -159,7 +169,7 @@ def create_app(
     )
     app.state.backend = backend
     app.add_exception_handler(RequestValidationError, _invalid_request)
-    _routes(app, backend, sleep)
+    _routes(app, backend, sleep, events)
     return app
 
 
@@ -179,7 +189,9 @@ async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
     return problem(400, "invalid-payment", "Invalid payment request", detail or str(exc))
 
 
-def _routes(app: FastAPI, backend: Backend, sleep: Callable[[float], Awaitable[None]]) -> None:
+def _routes(
+    app: FastAPI, backend: Backend, sleep: Callable[[float], Awaitable[None]], events: str
+) -> None:
     @app.post(
         "/payments",
         status_code=201,
@@ -209,7 +221,8 @@ def _routes(app: FastAPI, backend: Backend, sleep: Callable[[float], Awaitable[N
         ] = None,
     ) -> Any:
         """Charge a card once per Idempotency-Key; every retry gets the first answer."""
-        scope = current_attempt(request).scope
+        attempt = current_attempt(request)
+        scope = attempt.scope
         if delay_ms:
             await sleep(delay_ms / 1000)
         if fail == "transient":
@@ -233,6 +246,8 @@ def _routes(app: FastAPI, backend: Backend, sleep: Callable[[float], Awaitable[N
             return JSONResponse(declined.model_dump(), status_code=402)
         made = Payment(payment_id, payment.amount, payment.currency, "succeeded", charge.charge_id)
         await backend.add_payment(conn, made)
+        captured = {"event": "payment.captured", **asdict(made)}
+        await backend.stage_event(conn, attempt, events, captured)
         return JSONResponse(
             PaymentOut.model_validate(made, from_attributes=True).model_dump(),
             status_code=201,

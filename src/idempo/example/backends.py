@@ -1,10 +1,12 @@
 """Where the example payments API keeps its data: next to the idempotency records.
 
 One ``--store`` URL is the whole state. On SQLite and PostgreSQL the payments, the simulated
-payment provider's tables and the records share one database, so the payment row and the
-stored response commit in one transaction. On Redis they share one Redis database, and the
-payment write is idempotent by construction (a deterministic id), because Redis cannot put
-it in the record's transaction (docs/guarantees.md, the two-system gap).
+payment provider's tables, the outbox and the records share one database, so the payment row,
+its "payment.captured" event and the stored response commit in one transaction. On Redis
+they share one Redis database, and the payment write is idempotent by construction (a
+deterministic id), because Redis cannot put it in the record's transaction
+(docs/guarantees.md, the two-system gap); for the same reason there is no outbox there, and
+no event is staged on Redis.
 
 The payment provider (PSP) is a separate system: it writes outside the business transaction
 and deduplicates charges by the idempotency key the API derives for it, as Stripe or Adyen do.
@@ -22,6 +24,7 @@ from starlette.requests import Request
 
 from ..contrib.starlette import idempotent_connection
 from ..errors import ConfigurationError
+from ..outbox import Outbox, OutboxMessage, outbox_table
 
 __all__ = ["Backend", "Charge", "Ledger", "Payment", "open_backend"]
 
@@ -53,6 +56,7 @@ class Ledger:
     charges: int
     psp_calls: int
     double_charges: int
+    events: int
 
     def as_json(self) -> dict[str, int]:
         return asdict(self)
@@ -73,6 +77,15 @@ class Backend(Protocol):
 
     async def add_payment(self, conn: Any, payment: Payment) -> None:
         """Write the payment on ``conn``, what `connection` gave."""
+
+    async def stage_event(
+        self, conn: Any, attempt: Any, destination: str, event: dict[str, Any]
+    ) -> OutboxMessage | None:
+        """Stage ``event`` in the outbox on ``conn``, in the payment's transaction (None
+        where the store has no transaction to share, and so no outbox)."""
+
+    async def migrate(self, store: Any) -> None:
+        """Create the outbox table beside the store's records, where there is one."""
 
     async def payment(self, payment_id: str) -> Payment | None: ...
 
@@ -111,6 +124,7 @@ class SqlBackend:
         self.payments = f"{prefix}demo_payments"
         self.charges = f"{prefix}demo_psp_charges"
         self.calls = f"{prefix}demo_psp_calls"
+        self.outbox = Outbox(outbox_table(table))
 
     async def setup(self) -> None:
         from sqlalchemy import text  # noqa: PLC0415
@@ -174,6 +188,23 @@ class SqlBackend:
             asdict(payment),
         )
 
+    async def stage_event(
+        self, conn: Any, attempt: Any, destination: str, event: dict[str, Any]
+    ) -> OutboxMessage | None:
+        # On the payment's connection and in its transaction: the event commits with the
+        # payment row and the stored response, or not at all. Its label names it, so a
+        # re-execution after a crash stages the same id.
+        return await self.outbox.astage(conn, attempt, destination, event, label="captured")
+
+    async def migrate(self, store: Any) -> None:
+        from sqlalchemy import text  # noqa: PLC0415
+
+        # The outbox's own DDL, on the app's engine (one transaction), like the tables above.
+        name = "sqlite" if self.engine.dialect.name == "sqlite" else "postgresql"
+        async with self.engine.begin() as conn:
+            for statement in self.outbox.sql(name).ddl():
+                await conn.execute(text(statement))
+
     async def payment(self, payment_id: str) -> Payment | None:
         from sqlalchemy import text  # noqa: PLC0415
 
@@ -198,11 +229,12 @@ class SqlBackend:
                     f" (SELECT count(*) FROM {self.charges} WHERE charge_id IS NOT NULL),"
                     f" (SELECT count(*) FROM {self.calls}),"
                     f" (SELECT count(*) FROM (SELECT reference FROM {self.charges}"
-                    "   WHERE charge_id IS NOT NULL GROUP BY reference HAVING count(*) > 1) d)"
+                    "   WHERE charge_id IS NOT NULL GROUP BY reference HAVING count(*) > 1) d),"
+                    f" (SELECT count(*) FROM {self.outbox.table})"
                 )
             )
-            payments, charges, calls, doubles = counts.one()
-        return Ledger(payments, charges, calls, doubles)
+            payments, charges, calls, doubles, events = counts.one()
+        return Ledger(payments, charges, calls, doubles, events)
 
     def middleware_options(self) -> dict[str, Any]:
         # Leased, then transactional: the reservation commits first, so a duplicate sees
@@ -261,6 +293,14 @@ class RedisBackend:
         # The id is derived from the request's key: writing it again is harmless.
         await self.redis.hset(self.payments, payment.id, json.dumps(asdict(payment)))
 
+    async def stage_event(
+        self, conn: Any, attempt: Any, destination: str, event: dict[str, Any]
+    ) -> OutboxMessage | None:
+        return None  # no transaction to stage in: the outbox needs a SQL store
+
+    async def migrate(self, store: Any) -> None:
+        return None
+
     async def payment(self, payment_id: str) -> Payment | None:
         raw = await self.redis.hget(self.payments, payment_id)
         return None if raw is None else Payment(**json.loads(raw))
@@ -274,7 +314,7 @@ class RedisBackend:
             payments, charges, calls, per_reference = await pipe.execute()
         charged = sum(1 for raw in charges if json.loads(raw)[3] is not None)
         doubles = sum(1 for count in per_reference if int(count) > 1)
-        return Ledger(payments, charged, int(calls or 0), doubles)
+        return Ledger(payments, charged, int(calls or 0), doubles, 0)
 
     def middleware_options(self) -> dict[str, Any]:
         return {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from .app import DEFAULT_LEASE, create_app
+from .app import DEFAULT_LEASE, EVENTS, create_app
 
 
 def serve(
@@ -22,12 +22,14 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     lease: timedelta = DEFAULT_LEASE,
+    events: str = EVENTS,
     log_level: str = "info",
 ) -> None:
     """Serve until interrupted."""
     import uvicorn  # noqa: PLC0415 - the demo extra
 
-    uvicorn.run(create_app(store_url, lease=lease), host=host, port=port, log_level=log_level)
+    app = create_app(store_url, lease=lease, events=events)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
 def free_port() -> int:
@@ -42,9 +44,16 @@ class ExampleServer:
     test) can SIGKILL it mid-request and start it again on the same port and store."""
 
     def __init__(
-        self, url: str, log: Path, *, lease: float = 10.0, port: int | None = None
+        self,
+        url: str,
+        log: Path,
+        *,
+        lease: float = 10.0,
+        port: int | None = None,
+        events: str = EVENTS,
     ) -> None:
         self.url = url
+        self.events = events
         self.port = port or free_port()
         self.log = log
         self.lease = lease
@@ -53,7 +62,8 @@ class ExampleServer:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "idempo.example", "--store", self.url,
-                   "--port", str(self.port), "--lease", str(self.lease)]  # fmt: skip
+                   "--port", str(self.port), "--lease", str(self.lease),
+                   "--events", self.events]  # fmt: skip
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=log)  # noqa: S603 - our own module
         deadline = time.monotonic() + 30

@@ -348,11 +348,19 @@ class SQLiteStore(SqlStore):
         return bound(self.dialect, mode, timeout, executor)
 
     def close(self) -> None:
-        with self._lock:
-            connections, self._connections = self._connections, []
-        for conn in connections:
-            conn.close()
-        self._local = threading.local()
+        # A write still running in another thread (an async caller cancelled while its worker
+        # thread goes on) must end before its connection closes: sqlite3 closing a connection
+        # under a running statement crashes the process. Bounded by the busy timeout.
+        waited = self._writer.acquire(timeout=self._busy_timeout.total_seconds())
+        try:
+            with self._lock:
+                connections, self._connections = self._connections, []
+            for conn in connections:
+                conn.close()
+            self._local = threading.local()
+        finally:
+            if waited:
+                self._writer.release()
 
 
 class _Abandoned(Exception):

@@ -9,21 +9,11 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from ...errors import IdempotencyError
+from ...errors import PublishError
 
 __all__ = ["Lazy", "PublishError", "redacted"]
 
 T = TypeVar("T")
-
-
-class PublishError(IdempotencyError):
-    """A message could not be published, or the broker did not confirm it (unreachable,
-    refused, nacked, unroutable, timed out). The broker's own error is ``__cause__``.
-
-    Nothing is marked sent: the relay retries the message later, with the same id.
-    """
-
-    status_code = 503
 
 
 def redacted(url: str) -> str:

@@ -4,7 +4,8 @@
     await publisher.publish(message)     # returns with XADD's reply: the entry id
     await publisher.aclose()
 
-Each message becomes one entry of the stream ``message.destination`` with three fields:
+Each message becomes one entry of the stream ``message.destination`` (under ``<prefix>:``
+with ``?prefix=``) with three fields:
 ``message-id`` (the message id), ``body`` (the bytes as they are) and ``headers`` (a JSON
 object). ``message-id`` is the field idempo's FastStream middleware falls back to on Redis
 (its default ``id_header``), so a consumer group reading the stream through it skips a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..._optional import optional_import
 from .._message import OutboxMessage
@@ -37,16 +39,21 @@ class RedisStreamsPublisher:
     """Appends outbox messages to Redis Streams (XADD) and returns with each entry's id.
 
     Args:
-        url: a ``redis://`` or ``rediss://`` URL (``redis://127.0.0.1:6379/0``).
+        url: a ``redis://`` or ``rediss://`` URL (``redis://127.0.0.1:6379/0``); a
+            ``?prefix=`` in it is taken as ``prefix``.
         id_field: the field that carries the message id (the consumers' ``id_header``).
         body_field: the field that carries the body.
         headers_field: the field that carries the headers, as a JSON object.
         maxlen: trim each stream to about this many entries (``XADD MAXLEN ~``); None keeps
             them all. Trimming must leave the consumers time to read what they have not.
         timeout: seconds for the connection and each command.
+        prefix: if given, each message goes to the stream ``<prefix>:<destination>``, the
+            namespace idempo's Redis store keeps its keys under.
 
     >>> RedisStreamsPublisher("redis://127.0.0.1:6379/0").id_field
     'message-id'
+    >>> RedisStreamsPublisher("redis://127.0.0.1:6379/0?prefix=app").stream("payments")
+    'app:payments'
     """
 
     def __init__(
@@ -58,8 +65,16 @@ class RedisStreamsPublisher:
         headers_field: str = "headers",
         maxlen: int | None = None,
         timeout: float = 5.0,
+        prefix: str | None = None,
     ) -> None:
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        # redis-py would take ?prefix= as a connection option it does not have.
+        prefix = query.pop("prefix", None) if prefix is None else prefix
+        query.pop("prefix", None)
         self.url = url
+        self.prefix = prefix or None
+        self._connect_url = urlunsplit(parts._replace(query=urlencode(query)))
         self.id_field = id_field
         self.body_field = body_field
         self.headers_field = headers_field
@@ -69,8 +84,16 @@ class RedisStreamsPublisher:
 
     async def _connect(self) -> Redis:
         return Redis.from_url(
-            self.url, socket_connect_timeout=self.timeout, socket_timeout=self.timeout
+            self._connect_url, socket_connect_timeout=self.timeout, socket_timeout=self.timeout
         )
+
+    def stream(self, destination: str) -> str:
+        """The stream key a message for ``destination`` is added to."""
+        return f"{self.prefix}:{destination}" if self.prefix else destination
+
+    async def client(self) -> Redis:
+        """The publisher's redis-py client (connected on first use), e.g. to read a stream."""
+        return await self._client.get()
 
     def fields(self, message: OutboxMessage) -> dict[str, Any]:
         """The entry's fields for ``message``."""
@@ -90,7 +113,7 @@ class RedisStreamsPublisher:
         try:
             client = await self._client.get()
             await client.xadd(
-                message.destination,
+                self.stream(message.destination),
                 self.fields(message),  # type: ignore[arg-type]  # bytes values are fine
                 maxlen=self.maxlen,
                 approximate=True,
