@@ -349,19 +349,20 @@ class SqlDialect:
 
     def renew(self, op: Renew) -> SqlGen[None]:
         op = self.fix_now(op)
-        rows = yield Statement(f"{self.renew_update} RETURNING token", self.renew_params(op))
-        if not rows:
-            raise FencedError(f"cannot renew key {op.scope.key!r}: token {op.token} is stale")
+        yield from self._extended(op, self.renew_update, self.renew_params(op), "renew")
 
     def checkpoint(self, op: Checkpoint) -> SqlGen[None]:
         op = self.fix_now(op)
-        rows = yield Statement(
-            f"{self.checkpoint_update} RETURNING token", self.checkpoint_params(op)
-        )
+        params = self.checkpoint_params(op)
+        yield from self._extended(op, self.checkpoint_update, params, "record a step of")
+
+    def _extended(
+        self, op: Renew | Checkpoint, update: str, params: dict[str, Any], verb: str
+    ) -> SqlGen[None]:
+        """Run a lease-extending UPDATE; no row returned means the token was stale."""
+        rows = yield Statement(f"{update} RETURNING token", params)
         if not rows:
-            raise FencedError(
-                f"cannot record step of key {op.scope.key!r}: token {op.token} is stale"
-            )
+            raise FencedError(f"cannot {verb} key {op.scope.key!r}: token {op.token} is stale")
 
     @cached_property
     def lock_sql(self) -> str:
