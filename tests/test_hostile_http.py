@@ -736,7 +736,8 @@ def test_an_undecodable_record_is_a_503_that_says_how_to_evict(
             assert "evict" in problem["detail"]
     # Logged (idempo.store, ERROR) with the key as its digest, never raw.
     digest = key_digest("corrupt-1")
-    assert f"evict it: idempo evict STORE-URL #{digest} --operation 'POST " in caplog.text
+    assert "to evict it, idempo evict STORE-URL KEY --operation 'POST " in caplog.text
+    assert f"the key whose digest is {digest}" in caplog.text
     assert "corrupt-1" not in caplog.text
     assert len(site.endpoint.reached) == 1
     assert site.records() == [("corrupt-1", "completed")]

@@ -46,6 +46,7 @@ from idempo._http import (
     user_principal,
 )
 from idempo.asgi import route_template
+from idempo.events import key_digest
 
 JSON = [(b"content-type", b"application/json")]
 
@@ -185,16 +186,19 @@ def test_unreadable_stored_responses_raise(data: bytes) -> None:
 
 
 def test_codec_says_how_to_evict_an_unreadable_record() -> None:
-    """The codec's error names the record's scope in the evict command."""
+    """The codec's error gives the evict command, with the operation, and the key by its
+    digest only: neither the key nor the principal is spelled out."""
     now = datetime(2026, 1, 1, tzinfo=UTC)
     record = Record(
         Scope("user:7", "POST /pay", "k 1"), "fp", Status.COMPLETED, 1, None, b"junk", now, now, now
     )
     with pytest.raises(CorruptRecordError) as raised:
         HttpCodec().decode(record)
-    assert "idempo evict STORE-URL 'k 1' --operation 'POST /pay' --principal user:7" in str(
-        raised.value
-    )
+    message = str(raised.value)
+    assert "idempo evict STORE-URL KEY --operation 'POST /pay' --principal PRINCIPAL" in message
+    assert f"the key whose digest is {key_digest('k 1')}" in message
+    assert "k 1" not in message
+    assert "user:7" not in message
 
 
 def test_shareable_drops_hop_by_hop_connection_named_and_cookies() -> None:

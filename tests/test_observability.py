@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import threading
+import traceback
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -40,6 +41,7 @@ from idempo._core.record import Acquired
 from idempo.asgi import IdempotencyMiddleware
 from idempo.consumer import AsyncConsumer, Consumer, Envelope, Reason
 from idempo.errors import (
+    ConfigurationError,
     FencedError,
     FingerprintMismatchError,
     RequestInProgressError,
@@ -48,8 +50,9 @@ from idempo.errors import (
 )
 from idempo.events import FINAL, Event, Kind, key_digest
 from idempo.otel import OpenTelemetryObserver, prometheus_meter_provider
+from idempo.outbox import Outbox, OutboxMessage, Relay
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
-from idempo.stores.sqlite import AsyncSQLiteStore
+from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idempo.testing import FakeClock
 from idempo.wsgi import IdempotencyWSGIMiddleware
 
@@ -339,17 +342,29 @@ def test_no_observer_builds_no_event(monkeypatch: pytest.MonkeyPatch) -> None:
     assert made == ["charge"]
 
 
-def test_a_store_that_reports_takeovers() -> None:
-    """The memory store marks a takeover on its `Acquired` (the additive field)."""
-    store = MemoryStore()
+def test_every_store_reports_takeovers(store: Any) -> None:
+    """Every store marks a reservation that took over an ended lease (`Acquired.taken_over`),
+    and only that: not a new record, not one whose retention was over; a takeover with or
+    without recorded steps alike."""
     clock = FakeClock()
-    scope_args = {"now": clock(), "lease": LEASE, "ttl": timedelta(hours=1)}
-    scope = Scope("", "charge", "k-1")
-    assert store.reserve(scope, "fp", **scope_args) == Acquired(1)
+
+    def reserve(scope: Scope, ttl: timedelta = timedelta(minutes=1)) -> Acquired:
+        got = store.reserve(scope, "fp", now=clock(), lease=LEASE, ttl=ttl)
+        assert isinstance(got, Acquired)
+        return got
+
+    plain, stepped, expired = (
+        Scope("", "charge", f"k-{n}-{clock().timestamp()}") for n in range(3)
+    )
+    assert not reserve(plain).taken_over
+    step = reserve(stepped)
+    store.checkpoint(stepped, step.token, '{"steps": ["a"], "state": {}}', now=clock(), lease=LEASE)
+    done = reserve(expired, ttl=timedelta(seconds=1))
+    store.complete(expired, done.token, b"ok", now=clock(), ttl=timedelta(seconds=1))
     clock.advance(LEASE * 2)
-    taken = store.reserve(scope, "fp", **{**scope_args, "now": clock()})
-    assert isinstance(taken, Acquired)
-    assert taken.taken_over
+    assert reserve(plain).taken_over
+    assert reserve(stepped).taken_over
+    assert not reserve(expired).taken_over  # its retention was over: a fresh record
 
 
 GLOBAL_PROVIDERS = """
@@ -609,6 +624,46 @@ def test_wsgi_flask_requests(telemetry: Telemetry) -> None:
     assert {e.operation for e in telemetry.events} == {"POST /orders/<int:order>"}
 
 
+def test_a_middlewares_own_guard_takes_observers(telemetry: Telemetry, tmp_path: Path) -> None:
+    """``store=`` with ``observers=`` (and ``reveal_keys=``): the middleware's own guard
+    reports, on ASGI and WSGI alike; with a shared guard the options are refused, since
+    that guard has its own."""
+
+    async def pay(request: Request) -> JSONResponse:
+        return JSONResponse({"paid": 1}, status_code=201)
+
+    starlette = Starlette(routes=[Route("/payments/{id}", pay, methods=["POST"])])
+    asgi = IdempotencyMiddleware(
+        starlette, store=AsyncMemoryStore(), observers=telemetry.observers(), reveal_keys=True
+    )
+    assert [asyncio.run(_post(asgi, SECRET, 5)).status_code for _ in range(2)] == [201, 201]
+    assert telemetry.kinds() == [Kind.EXECUTED, Kind.COMPLETED, Kind.REPLAYED]
+    assert {e.key for e in telemetry.events} == {SECRET}
+
+    flask = Flask(__name__)
+
+    @flask.post("/orders")
+    def order() -> tuple[dict[str, int], int]:
+        return {"order": 1}, 201
+
+    store = SQLiteStore(str(tmp_path / "idem.db"))
+    store.migrate()
+    seen: list[Event] = []
+    flask.wsgi_app = IdempotencyWSGIMiddleware(  # type: ignore[method-assign]
+        flask.wsgi_app, store=store, observers=[seen.append]
+    )
+    client = flask.test_client()
+    for _ in range(2):
+        client.post("/orders", json={}, headers={"Idempotency-Key": SECRET})
+    assert [e.kind for e in seen] == [Kind.EXECUTED, Kind.COMPLETED, Kind.REPLAYED]
+    assert {(e.store, e.key) for e in seen} == {("SQLiteStore", None)}
+    store.close()
+
+    with pytest.raises(ConfigurationError, match="observers go with store="):
+        IdempotencyMiddleware(starlette, idempotency=AsyncIdempotency(AsyncMemoryStore()),
+                              observers=[seen.append])  # fmt: skip
+
+
 # --- consumers -------------------------------------------------------------------------
 
 
@@ -814,3 +869,83 @@ def test_final_kinds_end_every_call(telemetry: Telemetry) -> None:
     assert set(finals.values()) == {1}
     assert len(telemetry.spans.get_finished_spans()) == 80
     assert telemetry.observer._open == {}
+
+
+# --- the outbox relay ----------------------------------------------------------------------
+
+
+def test_the_outbox_relay(telemetry: Telemetry, tmp_path: Path) -> None:
+    """Each message the relay publishes, or fails to, is an event on the relay surface (the
+    destination as its operation, the message id as its key), a span and a count; a failed
+    publish's span is an error and carries the broker's exception type."""
+    from idempo.stores.sqlite import SQLiteStore
+
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    store = SQLiteStore(str(tmp_path / "app.db"))
+    store.migrate()
+    outbox = Outbox()
+    outbox.migrate(store)
+    conn = store.connect()
+    ids = []
+    with Idempotency(store).once(SECRET, operation="capture", conn=conn) as attempt:
+        ids = [outbox.stage(conn, attempt, "payments", {"n": n}).id for n in (1, 2)]
+        attempt.result = "ok"
+    conn.close()
+    store.close()
+
+    class Flaky:
+        calls = 0
+
+        async def publish(self, message: OutboxMessage) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                raise ConnectionError("the broker is down")
+
+    async def relay_twice() -> None:
+        async with Relay(
+            url, Flaky(), observers=telemetry.observers(), backoff=lambda n: timedelta(0)
+        ) as relay:
+            assert tuple(await relay.drain()) == (1, 1)
+            assert tuple(await relay.drain()) == (1, 0)
+
+    asyncio.run(relay_twice())
+    assert telemetry.kinds() == [Kind.PUBLISHED, Kind.PUBLISH_FAILED, Kind.PUBLISHED]
+    assert [e.key for e in telemetry.events] == [ids[0], ids[1], ids[1]]
+    assert {(e.surface, e.operation, e.store) for e in telemetry.events} == {
+        ("relay", "payments", "sqlite")
+    }
+    assert isinstance(telemetry.events[1].error, ConnectionError)
+    spans = telemetry.spans.get_finished_spans()
+    assert [str(s.attributes["idempo.outcome"]) for s in spans] == [
+        "published", "publish_failed", "published",
+    ]  # fmt: skip
+    assert spans[1].status.status_code.name == "ERROR"
+    assert spans[1].attributes["error.type"] == "ConnectionError"
+    assert telemetry.calls() == {"published": 2, "publish_failed": 1}
+
+
+def test_errors_name_the_key_by_its_digest_on_every_store(store: Any) -> None:
+    """What a real store raises (in progress, mismatch, a stale holder fenced), causes
+    included, names the key by its digest or not at all: an app that logs the exception does
+    not log the key. The key is still the exception's attribute, for the app."""
+    clock = FakeClock()
+    idem = Idempotency(store, Policy(clock=clock, lease=LEASE))
+    stale = idem.begin(SECRET, operation="charge")
+    raised: list[BaseException] = []
+    with pytest.raises(RequestInProgressError) as busy:
+        run(idem, SECRET)
+    assert busy.value.key == SECRET
+    raised.append(busy.value)
+    clock.advance(LEASE * 2)
+    run(idem, SECRET)  # takes the key over
+    with pytest.raises(FencedError) as fenced:
+        stale.finish("late")
+    raised.append(fenced.value)
+    with pytest.raises(FingerprintMismatchError) as mismatch:
+        run(idem, SECRET, payload=b"other")
+    raised.append(mismatch.value)
+    for exc in raised:
+        text = "".join(traceback.format_exception(exc))  # with every cause: the driver's too
+        assert SECRET not in text, text
+    assert key_digest(SECRET) in str(busy.value)
+    assert key_digest(SECRET) in str(mismatch.value)

@@ -124,7 +124,8 @@ def list_(
         console.print("no records")
         return
     table = Table()
-    for column in ("key", "operation", "principal", "status", "token", "age", "lease"):
+    # The digest column matches a log line's idempo_key_digest to its key.
+    for column in ("key", "digest", "operation", "principal", "status", "token", "age", "lease"):
         table.add_column(column, overflow="fold")
     for row in rows:
         principal_shown = row["principal"] or "(anonymous)"
@@ -132,6 +133,7 @@ def list_(
             principal_shown = principal_shown[:12] + "…" + principal_shown[-8:]
         table.add_row(
             Text(row["key"]),
+            row["key_digest"],
             Text(row["operation"]),
             Text(principal_shown),
             row["status"],

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
+from ._core.digest import key_digest
 from ._core.keys import Scope, validate_key
 from ._core.record import Record, Status
 from ._http.keys import parse_key
@@ -194,6 +195,7 @@ def record_dict(record: Record, *, now: datetime | None = None) -> dict[str, Any
         lease = "live" if _lease_live(record, at) else "expired"
     data: dict[str, Any] = {
         "key": record.scope.key,
+        "key_digest": key_digest(record.scope.key),
         "operation": record.scope.operation,
         "principal": record.scope.principal,
         "status": record.status.value,

@@ -27,6 +27,8 @@ HTTP-facing classes carry `status_code` so adapters map them without a lookup ta
 
 from __future__ import annotations
 
+from ._core.digest import key_ref
+
 __all__ = [
     "ConfigurationError",
     "ConflictError",
@@ -164,7 +166,7 @@ class RequestInProgressError(ConflictError):
     status_code = 409
 
     def __init__(self, key: str, retry_after: float) -> None:
-        super().__init__(f"key {key!r} is in progress; retry after {retry_after:.1f}s")
+        super().__init__(f"{key_ref(key)} is in progress; retry after {retry_after:.1f}s")
         self.key = key
         self.retry_after = retry_after
 
@@ -175,7 +177,7 @@ class FingerprintMismatchError(ConflictError):
     status_code = 422
 
     def __init__(self, key: str) -> None:
-        super().__init__(f"key {key!r} was already used with a different payload")
+        super().__init__(f"{key_ref(key)} was already used with a different payload")
         self.key = key
 
 

@@ -26,7 +26,6 @@ Principals and bodies are never carried.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -34,6 +33,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
+
+from ._core.digest import key_digest
 
 __all__ = [
     "FINAL",
@@ -81,6 +82,12 @@ class Kind(StrEnum):
     """A renewal or checkpoint found the lease taken over while the work was running."""
     FAIL_OPEN = "fail_open"
     """The store was down and the app opted into failing open: the work ran unguarded."""
+    PUBLISHED = "published"
+    """The outbox relay published a staged message (the broker confirmed it); it is marked
+    sent. The event's ``operation`` is the message's destination, its key the message id."""
+    PUBLISH_FAILED = "publish_failed"
+    """The outbox relay could not publish a staged message: it is tried again after its
+    backoff."""
 
 
 FINAL = frozenset(
@@ -94,9 +101,12 @@ FINAL = frozenset(
         Kind.FENCED,
         Kind.STORE_UNAVAILABLE,
         Kind.UNRECORDED,
+        Kind.PUBLISHED,
+        Kind.PUBLISH_FAILED,
     }
 )
-"""The kinds that end a guarded call: every call that gets past its key ends in one."""
+"""The kinds that end a guarded call (every call that gets past its key ends in one), and
+a relay's publish of one message."""
 
 UNCERTAIN = frozenset({Kind.UNRECORDED, Kind.LEASE_LOST, Kind.FAIL_OPEN})
 """The kinds an app must reconcile: work that ran without a record it can rely on."""
@@ -112,7 +122,7 @@ LOGGERS = {
 }
 """The logger of each layer: a surface's decisions go to its own, store faults (a store
 that is unavailable, an outcome it could not record) to ``idempo.store``. Message consumers
-log their outcomes themselves (``idempo.consumer``, see `idempo.consumer`)."""
+and the outbox relay log their outcomes themselves (``idempo.consumer``, ``idempo.outbox``)."""
 
 # How loudly each decision is logged (SPEC: levels that mean something): the normal path is
 # DEBUG, what needs a look WARNING, a fenced stale holder or a store failure ERROR.
@@ -131,6 +141,8 @@ LEVELS = {
     Kind.FENCED: logging.ERROR,
     Kind.STORE_UNAVAILABLE: logging.ERROR,
     Kind.UNRECORDED: logging.ERROR,
+    Kind.PUBLISHED: logging.DEBUG,
+    Kind.PUBLISH_FAILED: logging.WARNING,
 }
 
 _WHAT = {
@@ -148,6 +160,8 @@ _WHAT = {
     Kind.UNRECORDED: "the work ran but its outcome could not be recorded",
     Kind.LEASE_LOST: "the lease was taken over while the work ran",
     Kind.FAIL_OPEN: "the store failed; the work runs unguarded (fail open)",
+    Kind.PUBLISHED: "published the staged message",
+    Kind.PUBLISH_FAILED: "could not publish the staged message; it is tried again later",
 }
 
 _STORE_FAULTS = frozenset({Kind.STORE_UNAVAILABLE, Kind.UNRECORDED})
@@ -161,17 +175,6 @@ def _logger(surface: str) -> logging.Logger:
     if logger is None:
         logger = _BY_SURFACE[surface] = logging.getLogger(f"idempo.{surface}")
     return logger
-
-
-def key_digest(key: str) -> str:
-    """The digest that stands for a key in events, log lines and error messages: the first
-    16 hex digits of its SHA-256. The app (or an operator holding the key) computes the same
-    to find the record (``idempo inspect URL KEY``); the log does not hand the key out.
-
-    >>> key_digest("order-42")
-    '3bf8b157c4238eef'
-    """
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 # Not frozen: made for every decision of an observed call, and a frozen dataclass pays a
@@ -311,8 +314,8 @@ def log(event: Event, key: str | None = None) -> None:
     """Log ``event`` on its layer's logger (`LOGGERS`) at its kind's level, with its fields
     in ``extra`` (``idempo_kind``, ``idempo_operation``, ``idempo_key_digest``, ...).
     ``key``: the raw key, taken out of the error's text unless the event reveals it."""
-    if event.surface == "consumer":
-        return  # consumers log each message's outcome themselves
+    if event.surface in ("consumer", "relay"):
+        return  # consumers and the relay log each message's outcome themselves
     level = LEVELS[event.kind]
     logger = _STORE_LOGGER if event.kind in _STORE_FAULTS else _logger(event.surface)
     if not logger.isEnabledFor(level):

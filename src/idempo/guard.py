@@ -25,7 +25,6 @@ import functools
 import inspect
 import json
 import logging
-import shlex
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import timedelta
 from types import MappingProxyType, TracebackType
@@ -42,6 +41,7 @@ from typing import (
     overload,
 )
 
+from ._core.digest import key_ref
 from ._core.fingerprint import fingerprint
 from ._core.flow import (
     AsyncStoreVerbs,
@@ -58,7 +58,7 @@ from ._core.flow import (
     performer,
     pump,
 )
-from ._core.keys import Scope, derive_key
+from ._core.keys import Scope, derive_key, evict_hint
 from ._core.observed import AsyncObserved, Observed
 from ._core.progress import NO_PROGRESS, Progress
 from ._core.record import Record, Status
@@ -73,7 +73,7 @@ from .errors import (
     RequestInProgressError,
     StoreError,
 )
-from .events import Emitter, Kind, Observer, Surface, key_digest
+from .events import Emitter, Kind, Observer, Surface
 from .policy import Policy
 from .serializers import Serializer, return_serializer
 from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
@@ -150,14 +150,10 @@ class FunctionCodec:
             error, detail = str(failure.get("error", "?")), str(failure.get("detail", ""))
         except Exception as exc:
             # Nothing runs and nothing is replayed until an operator evicts the record.
-            # The key as a digest (events.key_digest): the app knows its own key, and the
-            # hint names where the key goes.
             raise CorruptRecordError(
-                f"the stored {record.status.value} record of key#{key_digest(record.scope.key)}"
+                f"the stored {record.status.value} record of {key_ref(record.scope.key)}"
                 f" (operation {record.scope.operation!r}) cannot be decoded"
-                f" ({type(exc).__name__}: {exc}); evict it:"
-                f" idempo evict STORE-URL KEY --operation {shlex.quote(record.scope.operation)}"
-                " --principal PRINCIPAL (with the key, and the principal, it was stored under)"
+                f" ({type(exc).__name__}: {exc}); to evict it, {evict_hint(record.scope)}"
             ) from exc
         raise ReplayedFailureError(error, detail)
 

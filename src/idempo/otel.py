@@ -56,7 +56,7 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Histogram buckets (seconds) for time spent waiting on a key in progress."""
 
 # The final kinds that mean the store failed or fenced the call: the span's status is ERROR.
-_FAULTS = frozenset({Kind.FENCED, Kind.UNRECORDED, Kind.STORE_UNAVAILABLE})
+_FAULTS = frozenset({Kind.FENCED, Kind.UNRECORDED, Kind.STORE_UNAVAILABLE, Kind.PUBLISH_FAILED})
 _UNCERTAIN = frozenset({Kind.UNRECORDED, Kind.LEASE_LOST, Kind.FAIL_OPEN})
 _STARTS = frozenset({Kind.EXECUTED, Kind.TAKEN_OVER})
 

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import InvalidKeyError
+from .digest import key_digest
 
 MAX_KEY_LENGTH = 255
 
@@ -107,14 +108,18 @@ class Scope:
 
 
 def evict_hint(scope: Scope) -> str:
-    """The command that evicts ``scope``'s record, for messages about a corrupt one.
+    """The command that evicts ``scope``'s record, for messages about a corrupt one. It
+    names neither the key (its digest only, `key_ref`) nor the principal, since the
+    message may end up in a log: the operator fills in the key the app sent and the
+    principal it was stored under.
 
-    >>> evict_hint(Scope("", "POST /pay", "k1"))
-    "idempo evict STORE-URL k1 --operation 'POST /pay' --principal ''"
+    >>> command, why = evict_hint(Scope("user:7", "pay", "k1")).split(" (")
+    >>> command
+    'idempo evict STORE-URL KEY --operation pay --principal PRINCIPAL'
+    >>> why
+    'KEY: the key whose digest is 6ab9f1eb8f7d3388)'
     """
-    options = (
-        f"--operation {shlex.quote(scope.operation)} --principal {shlex.quote(scope.principal)}"
+    return (
+        f"idempo evict STORE-URL KEY --operation {shlex.quote(scope.operation)} --principal"
+        f" PRINCIPAL (KEY: the key whose digest is {key_digest(scope.key)})"
     )
-    if scope.key.startswith("-"):  # would read as an option: after "--" it cannot
-        return f"idempo evict STORE-URL {options} -- {shlex.quote(scope.key)}"
-    return f"idempo evict STORE-URL {shlex.quote(scope.key)} {options}"

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Protocol
 
 from ..errors import FencedError
+from .digest import key_digest, key_ref
 from .keys import Scope
 
 
@@ -102,7 +103,7 @@ class Renewal:
         work = self._work
         if work is not None and not work.done():
             self._cancelled_work = True
-            work.cancel(f"idempo: the lease of key {self._attempt.scope.key!r} was taken over")
+            work.cancel(f"idempo: the lease of {key_ref(self._attempt.scope.key)} was taken over")
 
     async def stop(self) -> None:
         """Stop renewing. Never waits, so it is no cancellation point: a cancelled caller
@@ -126,7 +127,7 @@ class Renewal:
         assert self._work is not None
         if self._work.uncancel() > self._cancelling:
             return exc  # someone else cancelled the work too: theirs goes on
-        lost = FencedError(f"the lease of key {self._attempt.scope.key!r} was taken over")
+        lost = FencedError(f"the lease of {key_ref(self._attempt.scope.key)} was taken over")
         lost.__cause__ = exc
         return lost
 
@@ -198,4 +199,9 @@ class ThreadRenewal:
 def _stopped_renewing(
     logger: logging.Logger, attempt: Attempt | AsyncAttempt, exc: Exception
 ) -> None:
-    logger.warning("idempo: stopped renewing the lease of key %r: %s", attempt.scope.key, exc)
+    logger.warning(
+        "idempo: stopped renewing the lease of %s: %s",
+        key_ref(attempt.scope.key),
+        exc,
+        extra={"idempo_key_digest": key_digest(attempt.scope.key)},
+    )

@@ -75,7 +75,7 @@ class HttpCodec:
             return decode_response(record.response)
         except CorruptRecordError as exc:
             # Nothing runs and nothing is replayed until an operator evicts the record.
-            raise CorruptRecordError(f"{exc}; evict it: {evict_hint(record.scope)}") from exc
+            raise CorruptRecordError(f"{exc}; to evict it, {evict_hint(record.scope)}") from exc
 
 
 def _not_stored(detail: str) -> HttpResponse:

@@ -13,11 +13,12 @@ checks them once, when the middleware is made, and is what the lifecycle reads p
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypedDict, TypeVar
 
 from ..errors import ConfigurationError
+from ..events import Observer
 from ..guard import AsyncIdempotency, Idempotency
 from ..policy import Policy
 from ..stores import AsyncStore, open_async_store, open_store
@@ -54,6 +55,9 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
         policy: with ``store``: leases, retention and clock; defaults to `Policy()`.
         lease: with ``store``: overrides the policy's lease (seconds or a timedelta). The
             middleware renews it every third of a lease while the handler runs.
+        observers: with ``store``: `idempo.events` observers of every decision (an
+            `idempo.otel.OpenTelemetryObserver`, an audit hook). A shared guard has its own.
+        reveal_keys: with ``store``: events and log lines carry raw keys (default: digests).
         methods: the guarded methods (POST and PATCH); others pass through untouched.
         require_key: answer 400 to a guarded request without a key; if False such a request
             passes through without idempotency.
@@ -97,6 +101,8 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
     idempotency: Any
     policy: Policy | None
     lease: float | timedelta | None
+    observers: Sequence[Observer]
+    reveal_keys: bool
     methods: Collection[str]
     require_key: bool
     principal: Callable[[RequestT], str | None] | None
@@ -155,9 +161,7 @@ class HttpSettings:
             fingerprint_fields=self.fingerprint_fields,
         )
         make = _async_guard if asynchronous else _sync_guard
-        self.idempotency: Any = make(
-            get("store"), get("idempotency"), get("policy"), get("lease"), self, owner
-        )
+        self.idempotency: Any = make(options, self, owner)
         self.methods = frozenset(method.upper() for method in get("methods", ("POST", "PATCH")))
         self.require_key: bool = get("require_key", True)
         self.principal: Callable[[Any], str | None] | None = get("principal")
@@ -250,19 +254,34 @@ def http_policy(
     return policy
 
 
-def _shared(store: Any, idempotency: Any, policy: Policy | None, lease: Any, owner: str) -> bool:
+_OWN_GUARD = ("policy", "lease", "observers", "reveal_keys")
+"""The options that build the middleware's own guard: they go with ``store=``."""
+
+
+def _shared(options: Mapping[str, Any], owner: str) -> bool:
     """Whether a shared guard was given (checked), rather than a store to build one on."""
-    if (store is None) == (idempotency is None):
+    if (options.get("store") is None) == (options.get("idempotency") is None):
         raise ConfigurationError(f"give {owner} either store= or idempotency=")
-    if idempotency is not None and (policy is not None or lease is not None):
-        raise ConfigurationError("policy= and lease= go with store=; idempotency= has its own")
-    return idempotency is not None
+    if options.get("idempotency") is not None:
+        given = [name for name in _OWN_GUARD if options.get(name) is not None]
+        if given:
+            raise ConfigurationError(f"{', '.join(given)} go with store=; idempotency= has its own")
+        return True
+    return False
 
 
-def _sync_guard(
-    store: Any, idempotency: Any, policy: Policy | None, lease: Any, s: HttpSettings, owner: str
-) -> Idempotency:
-    if _shared(store, idempotency, policy, lease, owner):
+def _guard_options(options: Mapping[str, Any], s: HttpSettings) -> dict[str, Any]:
+    policy = http_policy(options.get("policy"), options.get("lease"), s.max_response_bytes)
+    return {
+        "policy": policy,
+        "observers": tuple(options.get("observers") or ()),
+        "reveal_keys": bool(options.get("reveal_keys", False)),
+    }
+
+
+def _sync_guard(options: Mapping[str, Any], s: HttpSettings, owner: str) -> Idempotency:
+    idempotency, store = options.get("idempotency"), options.get("store")
+    if _shared(options, owner):
         if not isinstance(idempotency, Idempotency):
             raise ConfigurationError(f"{owner} needs a sync Idempotency, not AsyncIdempotency")
         return idempotency
@@ -273,18 +292,17 @@ def _sync_guard(
         raise ConfigurationError(
             f"{owner} needs a sync Store (open_store), not {type(store).__name__}"
         )
-    return Idempotency(store, http_policy(policy, lease, s.max_response_bytes))
+    return Idempotency(store, **_guard_options(options, s))
 
 
-def _async_guard(
-    store: Any, idempotency: Any, policy: Policy | None, lease: Any, s: HttpSettings, owner: str
-) -> AsyncIdempotency:
-    if _shared(store, idempotency, policy, lease, owner):
-        return idempotency  # type: ignore[no-any-return]
+def _async_guard(options: Mapping[str, Any], s: HttpSettings, owner: str) -> AsyncIdempotency:
+    store = options.get("store")
+    if _shared(options, owner):
+        return options["idempotency"]  # type: ignore[no-any-return]
     if isinstance(store, str):
         store = open_async_store(store)
     if not isinstance(store, AsyncStore):
         raise ConfigurationError(
             f"{owner} needs an AsyncStore (open_async_store), not {type(store).__name__}"
         )
-    return AsyncIdempotency(store, http_policy(policy, lease, s.max_response_bytes))
+    return AsyncIdempotency(store, **_guard_options(options, s))

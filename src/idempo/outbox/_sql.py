@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from functools import cache, cached_property
 from typing import Any, TypeVar
 
+from .._core.digest import key_ref
 from .._core.keys import Scope
 from ..errors import ConfigurationError, CorruptRecordError
 from ..stores import _clock
@@ -212,7 +213,7 @@ class OutboxSql:
         ):
             return
         raise ConfigurationError(
-            f"message {label!r} of key {scope.key!r} (operation {scope.operation!r}) is"
+            f"message {label!r} of {key_ref(scope.key)} (operation {scope.operation!r}) is"
             f" staged already with another destination, body or headers (id {message.id}):"
             " give each message of the work its own label"
         )

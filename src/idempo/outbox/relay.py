@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 from ..errors import ConfigurationError, CorruptRecordError, SchemaMissingError, StoreError
+from ..events import Emitter, Kind, Observer
 from ._db import RelayDb, open_db
 from ._message import OutboxMessage, Publisher
 from ._sql import OutboxSql, Publish, outbox_table
@@ -109,6 +110,10 @@ class Relay:
         lease: SQLite only: how long a claimed message is hidden from other relays while
             this one publishes it (there, a claim is a lease, not a row lock).
         publish_timeout: seconds a publish may take before it counts as failed.
+        observers: `idempo.events` observers told of each message published
+            (``Kind.PUBLISHED``) or not (``Kind.PUBLISH_FAILED``, with its ``error``), on the
+            ``relay`` surface: the event's ``operation`` is the destination, its key the
+            message id. `idempo.otel.OpenTelemetryObserver` makes a span and a count of each.
 
     Several relays may run at once: PostgreSQL and MariaDB claim with ``FOR UPDATE SKIP
     LOCKED``, so each message is claimed by one relay at a time; SQLite's claims are write
@@ -132,6 +137,7 @@ class Relay:
         clock: Callable[[], datetime] | None = None,
         lease: timedelta = timedelta(seconds=60),
         publish_timeout: float = 30.0,
+        observers: Sequence[Observer] = (),
     ) -> None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ConfigurationError(f"batch must be at least 1, not {batch!r}")
@@ -144,6 +150,7 @@ class Relay:
         self._table = table
         self._settings = _Settings(batch, float(poll), lease, float(publish_timeout))
         self._backoff = backoff or exponential_backoff()
+        self._observers = tuple(observers)
         self._clock = clock
         self._db: RelayDb | None = None
         self._sql: OutboxSql | None = None
@@ -299,12 +306,17 @@ class Relay:
             if failures:
                 failures[message.id] = None
                 continue
+            heard = self._emitter(message)
             try:
                 async with asyncio.timeout(timeout):
                     await self.publisher.publish(message)
                 if confirmed is not None:
                     confirmed.append(message.id)
+                if heard is not None:
+                    heard.emit(Kind.PUBLISHED)
             except Exception as exc:  # noqa: BLE001 - any failure is a retry later
+                if heard is not None:
+                    heard.emit(Kind.PUBLISH_FAILED, error=exc)
                 why = (
                     f"no confirmation within {timeout:g} s"
                     if isinstance(exc, TimeoutError)
@@ -319,3 +331,15 @@ class Relay:
                 )
                 failures[message.id] = why
         return failures
+
+    def _emitter(self, message: OutboxMessage) -> Emitter | None:
+        if not self._observers:
+            return None
+        return Emitter(
+            self._observers,
+            operation=message.destination,
+            key=message.id,
+            store=self._db.name if self._db is not None else "outbox",
+            surface="relay",
+            reveal=True,  # a message id is derived from a key, never a key: it is safe to show
+        )

@@ -9,6 +9,7 @@ import dataclasses
 import threading
 from datetime import datetime, timedelta
 
+from .._core.digest import key_ref
 from .._core.keys import Scope
 from .._core.record import Acquired, Record, Reservation, Status, judge
 from ..errors import FencedError
@@ -141,7 +142,7 @@ class MemoryStore:
     def _held(self, scope: Scope, token: int) -> _Entry:
         entry = self._entries.get(scope)
         if entry is None or entry.token != token or entry.status is not Status.IN_PROGRESS:
-            raise FencedError(f"key {scope.key!r}: token {token} is stale")
+            raise FencedError(f"{key_ref(scope.key)}: token {token} is stale")
         return entry
 
     def _settled_already(self, scope: Scope, token: int, status: Status, response: bytes) -> bool:

@@ -86,7 +86,8 @@ _pg_ms = lru_cache(maxsize=64)(pg_ms)
 def map_error(exc: BaseException) -> BaseException:
     """A psycopg error as the idempo error it means; anything else unchanged."""
     if isinstance(exc, pg_errors.InvalidTextRepresentation) and FENCED_MARKER in str(exc):
-        return FencedError(str(exc).split(FENCED_MARKER, 1)[1].lstrip(": ").split('"')[0])
+        stale = str(exc).split(FENCED_MARKER, 1)[1].lstrip(": ").split('"')[0]
+        return FencedError(f"cannot settle: {stale}")
     if isinstance(exc, pg_errors.LockNotAvailable):
         return LockTimeoutError(str(exc))
     if isinstance(exc, pg_errors.UndefinedTable):

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any, NamedTuple, TypeVar
 
+from ..._core.digest import key_ref
 from ..._core.keys import Scope, evict_hint
 from ..._core.ops import Checkpoint, Release, Renew, Reserve, Settle
 from ..._core.record import Acquired, Record, Reservation, Status, judge
@@ -84,9 +85,9 @@ def corrupt(scope: Scope, why: str) -> CorruptRecordError:
     """The error for a stored record the store cannot decode: nothing runs, nothing is
     replayed, and the message says how to get rid of it."""
     return CorruptRecordError(
-        f"the stored record of key {scope.key!r} (operation {scope.operation!r}, principal"
-        f" {scope.principal!r}) cannot be decoded ({why}); nothing was run or replayed."
-        f" Evict it: {evict_hint(scope)} (or store.evict(scope))"
+        f"the stored record of {key_ref(scope.key)} (operation {scope.operation!r})"
+        f" cannot be decoded ({why}); nothing was run or replayed."
+        f" To evict it, {evict_hint(scope)} (or call store.evict(scope))"
     )
 
 
@@ -264,7 +265,7 @@ class SqlDialect:
         settle whose answer was lost); `FencedError` otherwise."""
         rows = yield Statement(self.settled_sql, self.settle_params(op))
         if not rows:
-            raise FencedError(f"cannot settle key {op.scope.key!r}: token {op.token} is stale")
+            raise FencedError(f"cannot settle {key_ref(op.scope.key)}: token {op.token} is stale")
 
     def _extend_update(self, sets: str) -> str:
         """The fenced UPDATE that moves the lease to ``now + lease``, setting ``sets`` too."""
@@ -362,7 +363,7 @@ class SqlDialect:
         """Run a lease-extending UPDATE; no row returned means the token was stale."""
         rows = yield Statement(f"{update} RETURNING token", params)
         if not rows:
-            raise FencedError(f"cannot {verb} key {op.scope.key!r}: token {op.token} is stale")
+            raise FencedError(f"cannot {verb} {key_ref(op.scope.key)}: token {op.token} is stale")
 
     @cached_property
     def lock_sql(self) -> str:
@@ -442,5 +443,6 @@ class SqlDialect:
             return None
         row = rows[0]
         if row[0]:
-            return Acquired(token=int(row[6]), recovery_point=row[12])
+            # A takeover keeps the record's creation time; a new record's is its update's.
+            return Acquired(token=int(row[6]), recovery_point=row[12], taken_over=row[9] != row[10])
         return judge(self.record(row[1:-1], op.scope), op.fingerprint, self.py_time(row[-1]))

@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
 
+from ..._core.digest import key_ref
 from ..._core.keys import Scope
 from ..._core.ops import Checkpoint, Release, Renew, Reserve, Settle
 from ..._core.record import InProgress, Reservation
@@ -225,7 +226,7 @@ class MySQLDialect(SqlDialect):
         # and renew runs only there, so renewing twice in one microsecond is not "stale".
         update = Statement(self.renew_update, self.renew_params(op), fetch=False)
         yield from self._fenced(
-            update, f"cannot renew key {op.scope.key!r}: token {op.token} is stale"
+            update, f"cannot renew {key_ref(op.scope.key)}: token {op.token} is stale"
         )
 
     def _fenced(self, update: Statement, stale: str) -> SqlGen[None]:
@@ -250,7 +251,7 @@ class MySQLDialect(SqlDialect):
         )
         if not held:
             raise FencedError(
-                f"cannot record step of key {op.scope.key!r}: token {op.token} is stale"
+                f"cannot record step of {key_ref(op.scope.key)}: token {op.token} is stale"
             )
 
     def release(self, op: Release) -> SqlGen[None]:

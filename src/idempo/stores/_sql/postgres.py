@@ -139,7 +139,9 @@ class PostgresDialect(SqlDialect):
             " SELECT CASE WHEN EXISTS (SELECT 1 FROM settled) THEN 1"
             # The same settle again (a retry whose answer was lost) succeeds unchanged.
             f" WHEN EXISTS ({self.settled_sql}) THEN 1"
-            f" ELSE CAST(concat('{FENCED_MARKER}: stale token for key ', :key) AS integer) END"
+            # The token, not the key: the database's error text is the FencedError's cause,
+            # and raw keys stay out of error messages.
+            f" ELSE CAST(concat('{FENCED_MARKER}: token ', :token, ' is stale') AS integer) END"
         )
 
     def settle(self, op: Settle) -> SqlGen[None]:

@@ -80,7 +80,8 @@ class SQLiteDialect(SqlDialect):
                 {"token": token},
                 fetch=False,
             )
-            return Acquired(token=token, recovery_point=rows[0][11])
+            # A takeover keeps the record's creation time; a new record's is its update's.
+            return Acquired(token, rows[0][11], taken_over=rows[0][8] != rows[0][9])
         rows = yield Statement(self.select_sql, self.scope_params(op.scope))
         if not rows:
             return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))

@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any, Protocol, TypeVar
 
+from ..._core.digest import key_ref
 from ..._core.keys import Scope
 from ..._core.ops import Checkpoint, Discard, Release, Renew, Reserve, Settle, StoreOp
 from ..._core.record import Acquired, InProgress, Record, Replay, Reservation, Status
@@ -522,7 +523,7 @@ class LeasedLogic:
             if self._broken:
                 yield from self._lost(scope, token)
                 raise StoreUnavailableError(
-                    f"the transaction of key {scope.key!r} was lost with its connection"
+                    f"the transaction of {key_ref(scope.key)} was lost with its connection"
                 ) from ended
             raise (yield from self._ended()) from None
         except TransactionConflict:
@@ -551,13 +552,15 @@ class LeasedLogic:
             except LockTimeoutError as exc:
                 self._broken = True
                 raise StoreUnavailableError(
-                    f"cannot renew key {op.scope.key!r}: its record stayed locked: {exc}"
+                    f"cannot renew {key_ref(op.scope.key)}: its record stayed locked: {exc}"
                 ) from exc
             except BaseException:
                 self._broken = True
                 raise
             if not owned:
-                raise FencedError(f"cannot renew key {op.scope.key!r}: token {op.token} is stale")
+                raise FencedError(
+                    f"cannot renew {key_ref(op.scope.key)}: token {op.token} is stale"
+                )
             self._locked = True
             return
         yield OnStore(self._dialect.renew(op))

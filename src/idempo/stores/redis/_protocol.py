@@ -19,7 +19,8 @@ import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ..._core.keys import Scope
+from ..._core.digest import key_ref
+from ..._core.keys import Scope, evict_hint
 from ..._core.record import Acquired, Record, Replay, Reservation, Status, judge
 from ...errors import ConfigurationError, CorruptRecordError, FencedError, StoreError
 
@@ -50,10 +51,9 @@ def _time(value: bytes) -> datetime:
 
 def corrupt(scope: Scope, why: object) -> CorruptRecordError:
     return CorruptRecordError(
-        f"the Redis record of key {scope.key!r} (operation {scope.operation!r}, principal"
-        f" {scope.principal!r}) cannot be decoded ({why}); nothing was run or replayed. Evict"
-        f" it: `idempo evict URL {scope.key} --operation {scope.operation!r} --principal"
-        f" {scope.principal!r}` or store.evict(scope)"
+        f"the Redis record of {key_ref(scope.key)} (operation {scope.operation!r})"
+        f" cannot be decoded ({why}); nothing was run or replayed."
+        f" To evict it, {evict_hint(scope)} (or call store.evict(scope))"
     )
 
 
@@ -187,6 +187,7 @@ def reservation(reply: Any, scope: Scope, fingerprint: str, now: datetime | None
         return Acquired(
             token=int(reply[1]),
             recovery_point=point.decode() if isinstance(point, bytes) else None,
+            taken_over=len(reply) > 3,
         )
     if kind == 2:
         why = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
@@ -203,14 +204,14 @@ def reservation(reply: Any, scope: Scope, fingerprint: str, now: datetime | None
         now = _EPOCH + timedelta(microseconds=int(reply[1]))
     verdict = judge(_fields_record(fields, scope), fingerprint, now)
     if verdict is None:  # the script takes over whatever judge would
-        raise StoreError(f"key {scope.key!r}: the reserve script answered a free record")
+        raise StoreError(f"{key_ref(scope.key)}: the reserve script answered a free record")
     return verdict
 
 
 def fenced(done: Any, scope: Scope, token: int) -> None:
     """A settle's or renewal's answer: 0 means the token no longer holds the record."""
     if not int(done):
-        raise FencedError(f"key {scope.key!r}: token {token} is stale")
+        raise FencedError(f"{key_ref(scope.key)}: token {token} is stale")
 
 
 # What a listing reads of each hash: everything but the response.

@@ -1,7 +1,8 @@
 -- KEYS[1] record. ARGV: now, lease, lease + ttl (µs), lease + ttl + grace (ms), fingerprint,
 -- principal, operation, key, nonce. Answers, for the caller to decode (_codec.reservation):
 --   token                     acquired, an integer reply (the common case, the shortest)
---   {1, token, point}         acquired with a recovery point, or acquired again (the nonce)
+--   {1, token, point}         acquired again (the nonce), with its recovery point
+--   {1, token, point, 1}      acquired by taking over an attempt whose lease ended
 --   {3, st, tok, resp, ca, ua, ea, rp}      a replay: a settled record with this fingerprint
 --   {0, now, fp, st, tok, le, resp, ca, ua, ea, rp}   a record to judge at ``now``
 --   {2, why}                  the key holds nothing idempo can read
@@ -66,8 +67,6 @@ redis.call('HSET', KEYS[1], 'p', ARGV[6], 'o', ARGV[7], 'k', ARGV[8], 'fp', ARGV
   'st', 'in_progress', 'tok', tok, 'le', string.format('%d', now + ARGV[2]),
   'ca', created or stamp, 'ua', stamp, 'ea', string.format('%d', now + ARGV[3]), 'n', ARGV[9])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if point then
-  redis.call('HSET', KEYS[1], 'rp', point)
-  return {1, tok, point}
-end
+if point then redis.call('HSET', KEYS[1], 'rp', point) end
+if created then return {1, tok, point, 1} end
 return token
