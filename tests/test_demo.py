@@ -4,6 +4,8 @@ concurrent httpx clients, and a server SIGKILLed mid-request then restarted on t
 from __future__ import annotations
 
 import contextlib
+import re
+import tempfile
 import threading
 import time
 import uuid
@@ -65,6 +67,44 @@ def test_demo_command_reports_exactly_once_and_exits_zero(tmp_path: Path) -> Non
     assert "events lost" in result.output
 
 
+def test_demo_on_its_own_store_says_where_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --store: it prints the store's URL, its progress bar names what it counts,
+    the report adds up in front of the reader, and its temporary directory is gone after."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = CliRunner().invoke(
+        app, ["demo", "--intents", "24", "--retries", "2", "--concurrency", "4"]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"store: sqlite:///{tmp_path}/idempo-demo-" in result.output.replace("\n", "")
+    assert "callers answered" in result.output
+    match = re.search(r"intents = paid \+ declined: (\d+) = (\d+) \+ (\d+)", result.output)
+    assert match is not None, result.output
+    intents, paid, declined = map(int, match.groups())
+    assert intents == 24 == paid + declined
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unsupported_store_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["demo", "--store", "ftp://files.example/x"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: the example API runs on sqlite://, postgresql://, mysql:// (MariaDB) or"
+        " redis:// stores, not ftp://"
+    ]
+
+
+def test_a_server_that_cannot_start_shows_why(tmp_path: Path) -> None:
+    """The server's own error is in the exception, not behind a path to a log file."""
+    example = ExampleServer("sqlite:///" + str(tmp_path / "no" / "such" / "dir.db"),
+                            tmp_path / "server.log")  # fmt: skip
+    with pytest.raises(RuntimeError, match="the example server exited") as raised:
+        example.start()
+    assert "no/such does not exist" in str(raised.value)  # the real cause, from the server
+    assert "Application startup failed" in str(raised.value)
+
+
 def test_storm_with_a_crash_charges_each_intent_once(tmp_path: Path) -> None:
     """Every kind of answer happens, the server is killed and restarted, and the ledger still
     shows one payment and one charge per paid intent."""
@@ -97,6 +137,18 @@ def test_storm_with_a_crash_charges_each_intent_once(tmp_path: Path) -> None:
 def test_storm_on_postgresql(postgres_url: str, pg_schema: str) -> None:
     report = run_storm(
         f"{postgres_url}?table={pg_schema}.idempo_records", intents=30, concurrency=6, seed=3
+    )
+    assert report.exactly_once
+    assert report.ledger["payments"] == report.paid > 0
+    assert report.events is not None
+    assert report.events.applied == report.events.staged == report.paid
+
+
+@pytest.mark.mysql
+def test_storm_on_mariadb(mysql_url: str, mysql_db: str) -> None:
+    """The README lists MariaDB: the demo runs there too, outbox and all."""
+    report = run_storm(
+        f"{mysql_url}?table={mysql_db}.idempo_records", intents=30, concurrency=6, seed=4
     )
     assert report.exactly_once
     assert report.ledger["payments"] == report.paid > 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pymysql
 import pytest
 from typer.testing import CliRunner
 
@@ -22,6 +23,7 @@ from idempo import Idempotency, Policy
 from idempo.cli import app
 from idempo.doctor import Level, Report, diagnose, parse_duration
 from idempo.errors import ConfigurationError
+from idempo.stores.mysql import connect_options
 from idempo.stores.sqlite import SQLiteStore
 from redis_servers import free_ports, installed, redis_server
 
@@ -329,6 +331,42 @@ def test_mariadb_set_up_well_passes_and_a_missing_schema_fails(
     report = diagnose(url)
     assert report.exit_code == 0, report.as_dict()
     assert _levels(report)["innodb_flush_log_at_trx_commit"] is Level.PASS
+
+
+@pytest.fixture
+def flush_setting(mysql_url: str) -> Iterator[Any]:
+    """Sets the server's innodb_flush_log_at_trx_commit (a dynamic global) for the test,
+    and puts the value it had back."""
+    conn = pymysql.connect(**connect_options(mysql_url), autocommit=True)
+    with conn, conn.cursor() as cursor:
+        cursor.execute("SELECT @@GLOBAL.innodb_flush_log_at_trx_commit")
+        ((before,),) = cursor.fetchall()
+
+        def set_to(value: int) -> None:
+            cursor.execute(f"SET GLOBAL innodb_flush_log_at_trx_commit = {int(value)}")
+
+        try:
+            yield set_to
+        finally:
+            set_to(before)
+
+
+def test_mariadb_that_flushes_lazily_is_flagged(
+    mysql_url: str, mysql_db: str, flush_setting: Any
+) -> None:
+    """A server that acknowledges commits before they are on disk: 0 (a server crash loses
+    them) fails, 2 (only a machine crash does) warns; the fix is named; exit codes follow."""
+    url = f"{mysql_url}?table={mysql_db}.idempo_records"
+    assert runner.invoke(app, ["migrate", url]).exit_code == 0
+    flush_setting(0)
+    code, data = _doctor_json(url)
+    (finding,) = [f for f in data["findings"] if f["check"] == "innodb_flush_log_at_trx_commit"]
+    assert (code, finding["level"], finding["value"]) == (2, "fail", "0"), data
+    assert "SET GLOBAL innodb_flush_log_at_trx_commit = 1" in finding["fix"]
+    flush_setting(2)
+    report = diagnose(url)
+    assert _levels(report)["innodb_flush_log_at_trx_commit"] is Level.WARN
+    assert report.exit_code == 1, report.as_dict()
 
 
 def test_an_unreachable_server_is_one_line_with_the_cause() -> None:

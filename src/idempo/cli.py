@@ -190,10 +190,23 @@ def _demo(store: str | None, intents: int, retries: int, concurrency: int, *, cr
     if serve:
         _serve(store, host, port)
         return
+
+    if store is not None:
+        storm.backend_kind(store)  # an unsupported store: one line, before anything starts
+
+    def started(url: str) -> None:
+        where = "a fresh SQLite file, removed at the end" if store is None else "as given"
+        console.print(f"store: {escape(_redacted(url))} ({where})")
+
     with Progress(
-        TextColumn("storm"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        # One caller answered is one step: each intent has --retries callers, at once.
+        TextColumn("callers answered"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
     ) as progress:
-        task = progress.add_task("storm", total=None)
+        task = progress.add_task("storm", total=intents * retries)
         report = storm.run_storm(
             store,
             intents=intents,
@@ -201,10 +214,14 @@ def _demo(store: str | None, intents: int, retries: int, concurrency: int, *, cr
             concurrency=concurrency,
             crash=crash,
             on_progress=lambda done, total: progress.update(task, completed=done, total=total),
+            on_start=started,
         )
     _print_report(report)
     if not report.exactly_once:
         console.print("[red]exactly-once VIOLATED[/red]")
+        if report.server_log:
+            console.print("the example server's last lines:")
+            console.print(Text(report.server_log))
         raise typer.Exit(1)
     console.print("[green]exactly-once held:[/green] every payment charged once, and every")
     console.print("caller of an intent got the same answer, byte for byte.")
@@ -228,6 +245,8 @@ def _print_report(report: Any) -> None:
     table.add_column("count", justify="right")
     for name, value in [
         ("intents (payments wanted)", report.intents),
+        ("  paid (201)", report.paid),
+        ("  declined cards (402, stored and replayed)", report.declined),
         ("HTTP requests (every attempt, retries included)", tally.requests),
         ("executions (calls to the payment provider)", ledger["psp_calls"]),
         ("replays of a stored answer", tally.replays),
@@ -239,13 +258,15 @@ def _print_report(report: Any) -> None:
         ("requests in flight at the crash", tally.cut_off_by_crash),
         ("payments made", ledger["payments"]),
         ("charges at the provider", ledger["charges"]),
-        ("declined cards (402, stored and replayed)", report.declined),
         ("intents answered inconsistently", report.inconsistent),
         ("callers left without an answer", tally.unanswered),
         ("double charges", ledger["double_charges"]),
         *report.event_rows(),
     ]:
         table.add_row(name, str(value))
+    table.caption = (
+        f"intents = paid + declined: {report.intents} = {report.paid} + {report.declined}"
+    )
     console.print(table)
 
 

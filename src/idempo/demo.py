@@ -44,13 +44,14 @@ import httpx
 
 from .client import IdempotentTransport, RetryPolicy
 from .consumer import AsyncConsumer, Delivery, Envelope, Reason
+from .example.backends import backend_kind
 from .example.server import ExampleServer
 from .guard import AsyncIdempotency
 from .outbox import OutboxMessage, Relay, exponential_backoff
 from .outbox.publishers import MemoryPublisher
 from .stores.memory import AsyncMemoryStore
 
-__all__ = ["Events", "Report", "Tally", "run_storm"]
+__all__ = ["Events", "Report", "Tally", "backend_kind", "run_storm"]
 
 # Short, so the storm also shows a crashed server's keys coming free; renewed while handlers live.
 DEMO_LEASE_SECONDS = 2.0
@@ -150,6 +151,7 @@ class Report:
     reused: int
     crashes: int
     events: Events | None = None  # None on Redis: no outbox there
+    server_log: str | None = None  # the server's last lines, when exactly-once did not hold
 
     @property
     def inconsistent(self) -> int:
@@ -299,17 +301,35 @@ def run_storm(
     crash: bool = True,
     seed: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    on_start: Callable[[str], None] | None = None,
 ) -> Report:
-    """Serve the example API on ``url`` (default: a fresh SQLite file), storm it, report."""
-    workdir = Path(tempfile.mkdtemp(prefix="idempo-demo-"))
-    url = url or f"sqlite:///{workdir / 'demo.db'}"
-    rng = random.Random(seed)
-    server = ExampleServer(url, workdir / "server.log", lease=DEMO_LEASE_SECONDS)
-    server.start()
-    relay = None if url.startswith(("redis", "rediss")) else _RelayThread(url, rng.random())
-    # The lost confirms are on purpose: the report counts them, the log need not.
-    with _quiet("idempo.outbox"):
-        return _run(server, relay, intents, retries, concurrency, crash, rng, on_progress)
+    """Serve the example API on ``url`` (default: a fresh SQLite file), storm it, report.
+
+    ``on_start`` hears the store URL before the storm. The server's log and the default
+    store live in a temporary directory removed at the end; when the storm fails, or does
+    not hold, the log's last lines are in the error or in `Report.server_log`.
+    """
+    if url is not None:
+        backend_kind(url)  # an unsupported store is one clear error, before anything starts
+    with tempfile.TemporaryDirectory(prefix="idempo-demo-") as workdir:
+        url = url or f"sqlite:///{Path(workdir) / 'demo.db'}"
+        if on_start is not None:
+            on_start(url)
+        rng = random.Random(seed)
+        server = ExampleServer(url, Path(workdir) / "server.log", lease=DEMO_LEASE_SECONDS)
+        server.start()
+        relay = None if backend_kind(url) == "redis" else _RelayThread(url, rng.random())
+        try:
+            # The lost confirms are on purpose: the report counts them, the log need not.
+            with _quiet("idempo.outbox"):
+                report = _run(server, relay, intents, retries, concurrency, crash, rng, on_progress)
+        except Exception as exc:
+            raise RuntimeError(
+                f"{exc}\nthe example server's last lines:\n{server.log_tail()}"
+            ) from exc
+        if report.exactly_once:
+            return report
+        return dataclasses.replace(report, server_log=server.log_tail())
 
 
 def _run(

@@ -105,7 +105,8 @@ def _provider_answer(psp_key: str, card: str) -> Charge:
 
 
 class SqlBackend:
-    """SQLite or PostgreSQL through SQLAlchemy's async engine (aiosqlite, psycopg)."""
+    """SQLite, PostgreSQL or MariaDB through SQLAlchemy's async engine (aiosqlite, psycopg,
+    aiomysql)."""
 
     def __init__(self, store_url: str, table: str) -> None:
         from sqlalchemy.ext.asyncio import create_async_engine  # noqa: PLC0415 - demo extra
@@ -115,10 +116,16 @@ class SqlBackend:
             # The same slashes rule as idempo's (and SQLAlchemy's) sqlite URLs.
             engine_url = f"sqlite+aiosqlite:{rest}"
             options: dict[str, Any] = {"connect_args": {"timeout": 30}}
+        elif scheme.startswith(("mysql", "mariadb")):
+            engine_url = f"mysql+aiomysql:{rest}"
+            options = {"pool_size": 20, "max_overflow": 20}
         else:
             engine_url = f"postgresql+psycopg:{rest}"
             options = {"pool_size": 20, "max_overflow": 20}
         self.engine = create_async_engine(engine_url, **options)
+        self.mariadb = scheme.startswith(("mysql", "mariadb"))
+        # MariaDB keys need a length, and it spells "insert unless present" its own way.
+        self._key = "VARCHAR(255)" if self.mariadb else "TEXT"
         schema, _, _ = table.rpartition(".")
         prefix = f"{schema}." if schema else ""
         self.payments = f"{prefix}demo_payments"
@@ -133,7 +140,7 @@ class SqlBackend:
         statements = [
             f"CREATE TABLE IF NOT EXISTS {self.payments} (id TEXT NOT NULL, amount BIGINT"
             " NOT NULL, currency TEXT NOT NULL, charge_id TEXT NOT NULL)",
-            f"CREATE TABLE IF NOT EXISTS {self.charges} (idempotency_key TEXT PRIMARY KEY,"
+            f"CREATE TABLE IF NOT EXISTS {self.charges} (idempotency_key {self._key} PRIMARY KEY,"
             " reference TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL,"
             " charge_id TEXT, decline_code TEXT)",
             f"CREATE TABLE IF NOT EXISTS {self.calls} (idempotency_key TEXT NOT NULL)",
@@ -159,13 +166,14 @@ class SqlBackend:
         # The provider's own transaction, committed whatever becomes of the caller's.
         async with self.engine.begin() as conn:
             await conn.execute(text(f"INSERT INTO {self.calls} VALUES (:key)"), params)
-            await conn.execute(
-                text(
-                    f"INSERT INTO {self.charges} VALUES (:key, :reference, :amount, :currency,"
-                    " :charge_id, :decline_code) ON CONFLICT (idempotency_key) DO NOTHING"
-                ),
-                params,
-            )
+            insert = (
+                f"INSERT IGNORE INTO {self.charges}"
+                if self.mariadb
+                else f"INSERT INTO {self.charges}"
+            ) + " VALUES (:key, :reference, :amount, :currency, :charge_id, :decline_code)"
+            if not self.mariadb:
+                insert += " ON CONFLICT (idempotency_key) DO NOTHING"
+            await conn.execute(text(insert), params)
             first = await conn.execute(
                 text(
                     f"SELECT charge_id, decline_code FROM {self.charges}"
@@ -200,7 +208,7 @@ class SqlBackend:
         from sqlalchemy import text  # noqa: PLC0415
 
         # The outbox's own DDL, on the app's engine (one transaction), like the tables above.
-        name = "sqlite" if self.engine.dialect.name == "sqlite" else "postgresql"
+        name = {"sqlite": "sqlite", "mysql": "mysql"}.get(self.engine.dialect.name, "postgresql")
         async with self.engine.begin() as conn:
             for statement in self.outbox.sql(name).ddl():
                 await conn.execute(text(statement))
@@ -323,14 +331,26 @@ class RedisBackend:
         await self.redis.aclose()
 
 
+def backend_kind(store_url: str) -> str:
+    """``"sql"`` or ``"redis"``: where the example keeps its data for ``store_url``.
+
+    Raises:
+        ConfigurationError: a store the example API does not run on.
+    """
+    scheme = urlsplit(store_url).scheme
+    if scheme == "sqlite" or scheme.startswith(("postgres", "mysql", "mariadb")):
+        return "sql"
+    if scheme in ("redis", "rediss"):
+        return "redis"
+    raise ConfigurationError(
+        "the example API runs on sqlite://, postgresql://, mysql:// (MariaDB) or redis://"
+        f" stores, not {f'{scheme}://' if scheme else repr(store_url)}"
+    )
+
+
 def open_backend(store_url: str) -> Backend:
     """The backend that keeps the example's data where ``store_url`` keeps the records."""
-    scheme = urlsplit(store_url).scheme
     query = dict(parse_qsl(urlsplit(store_url).query))
-    if scheme == "sqlite" or scheme.startswith("postgres"):
+    if backend_kind(store_url) == "sql":
         return SqlBackend(store_url, query.get("table", "idempo_records"))
-    if scheme in ("redis", "rediss"):
-        return RedisBackend(store_url, query.get("prefix", "idempo"))
-    raise ConfigurationError(
-        f"the example API runs on sqlite://, postgresql:// or redis:// stores, not {scheme}://"
-    )
+    return RedisBackend(store_url, query.get("prefix", "idempo"))

@@ -69,14 +69,23 @@ class ExampleServer:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the example server exited; its log: {self.log}")
+                raise RuntimeError(f"the example server exited:\n{self.log_tail()}")
             try:
                 httpx.get(f"{self.base}/demo/ledger", timeout=1).raise_for_status()
             except httpx.HTTPError:
                 time.sleep(0.05)
             else:
                 return
-        raise RuntimeError(f"the example server did not answer in 30 s; its log: {self.log}")
+        raise RuntimeError(f"the example server did not answer in 30 s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 25) -> str:
+        """The last ``lines`` of the server's output (its errors, a traceback), to show
+        rather than point at: the log lives in a directory removed at the end."""
+        try:
+            text = self.log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no output)"
+        return "\n".join(text.rstrip().splitlines()[-lines:]) or "(no output)"
 
     def kill(self) -> None:
         assert self.process is not None

@@ -75,6 +75,18 @@ from .base import Mode
 
 __all__ = ["AsyncMySQLStore", "MySQLStore", "connect_options"]
 
+
+def _escape_bytes(value: bytes) -> str:
+    return f"_binary X'{value.hex()}'"
+
+
+# aiomysql 0.3 escapes bytes with a PyMySQL helper that PyMySQL 1.2.3 replaced with a string
+# (aio-libs/aiomysql#1080), so every bytes parameter fails with "'str' object is not
+# callable": in idempo's own statements and in an app's SQLAlchemy async session on aiomysql
+# alike. Only that broken pairing is mended, with the escape PyMySQL itself uses.
+if not callable(getattr(aiomysql.connection, "escape_bytes_prefixed", _escape_bytes)):
+    aiomysql.connection.escape_bytes_prefixed = _escape_bytes
+
 T = TypeVar("T")
 
 DEFAULT_TABLE = "idempo_records"
@@ -412,23 +424,8 @@ class _PyMySQLTx(_MySQLTx):
 
 
 class _Cursor(aiomysql.Cursor):  # type: ignore[misc]
-    """aiomysql's cursor with two changes.
-
-    Bytes are escaped here, as PyMySQL does (``_binary X'...'``): aiomysql 0.3 calls a
-    PyMySQL helper that PyMySQL 1.2.3 replaced with a string (aio-libs/aiomysql#1080). And no
-    SHOW WARNINGS round trip after a statement with notes (``CREATE TABLE IF NOT EXISTS`` on
-    an existing table): idempo reads no warnings.
-    """
-
-    def _escape_args(self, args: Any, conn: Any) -> Any:
-        if isinstance(args, dict):
-            return {
-                name: f"_binary X'{value.hex()}'"
-                if isinstance(value, bytes)
-                else conn.escape(value)
-                for name, value in args.items()
-            }
-        return super()._escape_args(args, conn)
+    """aiomysql's cursor without the SHOW WARNINGS round trip after a statement with notes
+    (``CREATE TABLE IF NOT EXISTS`` on an existing table): idempo reads no warnings."""
 
     async def _show_warnings(self, conn: Any) -> None:
         return None
