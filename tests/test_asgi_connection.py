@@ -52,6 +52,9 @@ MODES = ["transactional", "leased"]
 DATABASES = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+    # SQLAlchemy's aiomysql: bytes parameters (the stored response) went through a PyMySQL
+    # helper that is no longer there (aio-libs/aiomysql#1080) until idempo mended it.
+    pytest.param("mysql", marks=pytest.mark.mysql, id="mariadb"),
 ]
 # (framework, connection factory): FastAPI and Starlette on engine.connect, and FastAPI on
 # async_sessionmaker (an AsyncSession).

@@ -46,6 +46,9 @@ class AppDatabase(Database):
                 if asynchronous
                 else f"sqlite:///{self.location}"
             )
+        if self.kind == "mysql":
+            driver = "aiomysql" if asynchronous else "pymysql"
+            return self.location.replace("mysql://", f"mysql+{driver}://", 1)
         return self.location.replace("postgresql://", "postgresql+psycopg://", 1)
 
     def rows(self) -> list[tuple[Any, ...]]:
