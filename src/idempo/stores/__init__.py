@@ -72,7 +72,7 @@ def schema_missing(db: str, what: str) -> SchemaMissingError:
     """The error for a store whose table (or token sequence) is not there: ``what`` names it."""
     return SchemaMissingError(
         f"{db}: {what} does not exist; the store is not migrated: create its schema with"
-        f" {MIGRATE_HINT}"
+        f" {MIGRATE_HINT}, or in development open it with ?migrate=true"
     )
 
 
@@ -81,13 +81,24 @@ def cannot_connect(db: str, where: str, reason: str) -> StoreUnavailableError:
     return StoreUnavailableError(f"cannot connect to {db} at {where}: {reason}")
 
 
-def open_store(url: str, *, read_only: bool = False, create: bool = True, **options: Any) -> Store:
+def open_store(
+    url: str,
+    *,
+    read_only: bool = False,
+    create: bool = True,
+    migrate: bool = False,
+    **options: Any,
+) -> Store:
     """A synchronous store for ``url``; keyword options go to the store's constructor.
 
     Args:
         read_only: the store is only read (``get``, ``stats``): a SQLite file is opened
             read-only and never created. Other stores create nothing by reading.
         create: False: a SQLite file must already exist (it is not created empty).
+        migrate: create the store's schema now if it is not there (``store.migrate()``,
+            which changes nothing once it is), as ``?migrate=true`` in the URL does: for
+            development and an embedded SQLite file. In production run ``idempo migrate
+            URL`` once, with rights the app need not have.
 
     The answer is typed as the `Store` protocol, whatever the scheme; the class itself
     (``SQLiteStore(path)``, ``PostgresStore(url)``) is typed as itself, ``migrate`` and
@@ -96,24 +107,36 @@ def open_store(url: str, *, read_only: bool = False, create: bool = True, **opti
     >>> open_store("memory://")  # doctest: +ELLIPSIS
     <idempo.stores.memory.MemoryStore object at ...>
     """
-    store: Store = _open(url, False, read_only, create, options)
+    store: Store = _open(url, False, read_only, create, migrate, options)
     return store
 
 
 def open_async_store(
-    url: str, *, read_only: bool = False, create: bool = True, **options: Any
+    url: str,
+    *,
+    read_only: bool = False,
+    create: bool = True,
+    migrate: bool = False,
+    **options: Any,
 ) -> AsyncStore:
     """An asynchronous store for ``url`` (the same URLs and arguments as `open_store`).
+    ``migrate`` creates the schema before the store is handed back, on a short synchronous
+    connection of its own: no event loop is needed yet (a middleware is made at import).
 
     >>> open_async_store("memory://")  # doctest: +ELLIPSIS
     <idempo.stores.memory.AsyncMemoryStore object at ...>
     """
-    store: AsyncStore = _open(url, True, read_only, create, options)
+    store: AsyncStore = _open(url, True, read_only, create, migrate, options)
     return store
 
 
-def _open(url: str, is_async: bool, read_only: bool, create: bool, options: dict[str, Any]) -> Any:
+def _open(
+    url: str, is_async: bool, read_only: bool, create: bool, migrate: bool, options: dict[str, Any]
+) -> Any:
     url, cache = _cache_size(url)
+    url, asked = _migrate_flag(url)
+    if (migrate or asked) and not read_only:
+        _migrated(url, options)
     scheme = urlsplit(url).scheme
     kind = find(scheme)
     factory = kind.factory(scheme, is_async=is_async)
@@ -132,17 +155,52 @@ def _open(url: str, is_async: bool, read_only: bool, create: bool, options: dict
     return (cached.AsyncCachedStore if is_async else cached.CachedStore)(store, max_entries=cache)
 
 
-def _cache_size(url: str) -> tuple[str, int]:
-    """``url`` without its ``cache`` parameter, and the size that asked for (0: no cache).
+def _migrated(url: str, options: dict[str, Any]) -> None:
+    """Create the schema of the store at ``url`` if it is not there, through its sync face."""
+    scheme = urlsplit(url).scheme
+    store = find(scheme).factory(scheme, is_async=False)(url, **options)
+    try:
+        migrate = getattr(store, "migrate", None)
+        if migrate is not None:  # Redis and memory stores have no schema
+            migrate()
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+
+
+def _take(url: str, name: str) -> tuple[str, list[str]]:
+    """``url`` without its ``name`` parameters, and their values.
 
     Cut from the text, not re-assembled by urllib, which would rewrite ``sqlite:////abs.db``.
+
+    >>> _take("sqlite:////abs.db?cache=10&migrate=true", "migrate")
+    ('sqlite:////abs.db?cache=10', ['true'])
     """
     base, _, query = url.partition("?")
     items = query.split("&") if query else []
-    sizes = [item.partition("=")[2] for item in items if item.partition("=")[0] == "cache"]
+    values = [item.partition("=")[2] for item in items if item.partition("=")[0] == name]
+    if not values:
+        return url, []
+    kept = "&".join(item for item in items if item.partition("=")[0] != name)
+    return (f"{base}?{kept}" if kept else base), values
+
+
+def _migrate_flag(url: str) -> tuple[str, bool]:
+    """``url`` without its ``migrate`` parameter, and whether it asked for a migration."""
+    url, values = _take(url, "migrate")
+    if not values:
+        return url, False
+    if len(values) > 1 or values[0].lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigurationError(f"migrate= takes true or false, got {'&'.join(values)!r}")
+    return url, values[0].lower() in ("true", "1", "yes")
+
+
+def _cache_size(url: str) -> tuple[str, int]:
+    """``url`` without its ``cache`` parameter, and the size that asked for (0: no cache)."""
+    url, sizes = _take(url, "cache")
     if not sizes:
         return url, 0
     if len(sizes) > 1 or not (sizes[0].isascii() and sizes[0].isdigit()):
         raise ConfigurationError(f"cache= takes one number of records, got {'&'.join(sizes)!r}")
-    kept = "&".join(item for item in items if item.partition("=")[0] != "cache")
-    return (f"{base}?{kept}" if kept else base), int(sizes[0])
+    return url, int(sizes[0])
