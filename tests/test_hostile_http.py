@@ -53,7 +53,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from idempo import Idempotency, InvalidPayloadError
-from idempo._http import parse_key
+from idempo._http import canonical_parts, parse_key
 from idempo.asgi import IdempotencyMiddleware
 from idempo.events import key_digest
 from idempo.stores.postgres import AsyncPostgresStore
@@ -675,6 +675,36 @@ def test_json_deeper_than_the_parser_goes_is_fingerprinted_as_its_bytes(site: Si
     first = site.call(_json_request(body, b"deeper"))
     assert first.status == 201, first
     assert site.call(_json_request(body, b"deeper")).replayed
+
+
+FORM = (b"content-type", b"application/x-www-form-urlencoded")
+
+
+def test_reordered_query_and_form_fields_are_one_request_through_every_adapter(
+    site: Site,
+) -> None:
+    """Query parameters and form fields in another order are the same request (a replay);
+    values of one name in another order are another request (a 422): ``tag=x&tag=y`` is a
+    list. A query already in order keeps its fingerprint from before."""
+    first = site.call(Sent([b"q-1"], [FORM], b"b=2&a=1&tag=x&tag=y", b"z=3&y=2", 1))
+    assert first.status == 201, first
+    again = site.call(Sent([b"q-1"], [FORM], b"tag=x&a=1&tag=y&b=2", b"y=2&z=3", 1))
+    assert again.replayed, again
+    assert again.body == first.body
+    swapped = site.call(Sent([b"q-1"], [FORM], b"a=1&b=2&tag=y&tag=x", b"y=2&z=3", 1))
+    assert swapped.status == 422, swapped
+    other_query = site.call(Sent([b"q-1"], [FORM], b"a=1&b=2&tag=x&tag=y", b"y=2&z=4", 1))
+    assert other_query.status == 422, other_query
+    assert len(site.endpoint.reached) == 1
+
+
+def test_a_query_in_order_fingerprints_as_before() -> None:
+    """Upgrading changes no stored fingerprint of a request whose pairs were already in
+    order (most are: none, one, or written sorted): only reordered ones are new."""
+    empty = hashlib.sha256(b"").hexdigest()
+    before = f'{{"body":"{empty}","method":"POST","path":"/pay","query":"a=1&b=2","v":1}}'
+    assert canonical_parts("POST", "/pay", b"a=1&b=2", [], b"") == before.encode()
+    assert canonical_parts("POST", "/pay", b"b=2&a=1", [], b"") == before.encode()
 
 
 def test_function_api_fingerprints_deep_payloads(tmp_path: Path) -> None:

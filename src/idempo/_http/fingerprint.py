@@ -39,17 +39,44 @@ def _is_json(content_type: bytes) -> bool:
     )
 
 
+def _is_form(content_type: bytes) -> bool:
+    return content_type.split(b";", 1)[0].strip().lower() == b"application/x-www-form-urlencoded"
+
+
+def canonical_pairs(data: bytes) -> bytes:
+    """``name=value&...`` (a query string, a form-urlencoded body) with its pairs in order of
+    name, so ``b=2&a=1`` and ``a=1&b=2`` are one request; pairs of one name keep their order
+    (``tag=x&tag=y`` is a list, and not ``tag=y&tag=x``). The pairs' bytes are kept as sent:
+    already in order, nothing changes (so a fingerprint stored before is still the same).
+
+    >>> canonical_pairs(b"b=2&tag=y&a=1&tag=x")
+    b'a=1&b=2&tag=y&tag=x'
+    """
+    if b"&" not in data:
+        return data
+    pairs = data.split(b"&")
+    ordered = sorted(pairs, key=_pair_name)
+    return data if ordered == pairs else b"&".join(ordered)
+
+
+def _pair_name(pair: bytes) -> bytes:
+    return pair.partition(b"=")[0]
+
+
 def _canonical_body(body: bytes, content_type: bytes) -> bytes:
     """RFC 8785 bytes for a JSON body, so ``{"a": 1}`` and ``{ "a":1 }`` are one request;
     other bodies as sent, and so is JSON that does not parse or has no RFC 8785 form (invalid
     UTF-8, a lone surrogate, ``1e400``, an integer over 4,300 digits, nesting deeper than
     Python's parser goes): the app refuses or reads those itself, and raw bytes only ever
-    make two requests differ, never alike.
+    make two requests differ, never alike. A form-urlencoded body has its pairs ordered by
+    name (`canonical_pairs`).
 
     A parsed document is canonicalised at any depth (`canonical_bytes` does not recurse).
     """
-    if not body or not _is_json(content_type):
+    if not body:
         return body
+    if not _is_json(content_type):
+        return canonical_pairs(body) if _is_form(content_type) else body
     try:
         return canonical_bytes(json_loads(body))
     except (ValueError, InvalidPayloadError, RecursionError):
@@ -131,7 +158,7 @@ def canonical_parts(
     if "path" in fields:
         parts["path"] = path
     if "query" in fields:
-        parts["query"] = query.decode("latin-1")
+        parts["query"] = canonical_pairs(query).decode("latin-1")
     if headers:
         parts["v"] = 1
         return json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
