@@ -133,24 +133,23 @@ def test_storm_with_a_crash_charges_each_intent_once(tmp_path: Path) -> None:
     assert events.duplicates == events.lost_confirms
 
 
-@pytest.mark.postgres
-def test_storm_on_postgresql(postgres_url: str, pg_schema: str) -> None:
-    report = run_storm(
-        f"{postgres_url}?table={pg_schema}.idempo_records", intents=30, concurrency=6, seed=3
-    )
-    assert report.exactly_once
-    assert report.ledger["payments"] == report.paid > 0
-    assert report.events is not None
-    assert report.events.applied == report.events.staged == report.paid
-
-
-@pytest.mark.mysql
-def test_storm_on_mariadb(mysql_url: str, mysql_db: str) -> None:
-    """The README lists MariaDB: the demo runs there too, outbox and all."""
-    report = run_storm(
-        f"{mysql_url}?table={mysql_db}.idempo_records", intents=30, concurrency=6, seed=4
-    )
-    assert report.exactly_once
+@pytest.mark.parametrize(
+    "database",
+    [
+        pytest.param("postgres", marks=pytest.mark.postgres, id="postgresql"),
+        # The README lists MariaDB: the demo runs there too, outbox and all.
+        pytest.param("mysql", marks=pytest.mark.mysql, id="mariadb"),
+    ],
+)
+def test_storm_on_a_database_server(request: pytest.FixtureRequest, database: str) -> None:
+    if database == "postgres":
+        where = request.getfixturevalue("pg_schema")
+        url = f"{request.getfixturevalue('postgres_url')}?table={where}.idempo_records"
+    else:
+        where = request.getfixturevalue("mysql_db")
+        url = f"{request.getfixturevalue('mysql_url')}?table={where}.idempo_records"
+    report = run_storm(url, intents=30, concurrency=6, seed=3)
+    assert report.exactly_once, report.server_log
     assert report.ledger["payments"] == report.paid > 0
     assert report.events is not None
     assert report.events.applied == report.events.staged == report.paid
@@ -164,7 +163,7 @@ def test_storm_on_redis(redis_url: str, redis_prefix: str) -> None:
         with redis.Redis.from_url(redis_url) as client:
             for key in client.scan_iter(match=f"{redis_prefix}.demo:*"):
                 client.delete(key)
-    assert report.exactly_once
+    assert report.exactly_once, report.server_log
     assert report.ledger["payments"] == report.paid > 0
     assert report.events is None  # no outbox on Redis
 
