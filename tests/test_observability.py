@@ -48,7 +48,7 @@ from idempo.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from idempo.events import FINAL, Event, Kind, key_digest
+from idempo.events import FINAL, Emitter, Event, Kind, key_digest
 from idempo.otel import OpenTelemetryObserver, prometheus_meter_provider
 from idempo.outbox import Outbox, OutboxMessage, Relay
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
@@ -949,3 +949,48 @@ def test_errors_name_the_key_by_its_digest_on_every_store(store: Any) -> None:
         assert SECRET not in text, text
     assert key_digest(SECRET) in str(busy.value)
     assert key_digest(SECRET) in str(mismatch.value)
+
+
+def test_a_dormant_observer_costs_no_event(
+    monkeypatch: pytest.MonkeyPatch, telemetry: Telemetry
+) -> None:
+    """An observer that says it is dormant (an OpenTelemetry observer with no SDK behind it)
+    makes the guard build no event while it says so, and every event once it wakes; a plain
+    callable beside it keeps every call observed."""
+    built: list[Kind] = []
+    real_emit = Emitter.emit
+
+    def counting(self: Emitter, kind: Kind, **fields: Any) -> Event:
+        built.append(kind)
+        return real_emit(self, kind, **fields)
+
+    monkeypatch.setattr(Emitter, "emit", counting)
+
+    class Sleepy:
+        asleep = True
+        heard: list[Kind] = []  # noqa: RUF012 - one instance per test
+
+        def dormant(self) -> bool:
+            return self.asleep
+
+        def __call__(self, event: Event) -> None:
+            self.heard.append(event.kind)
+
+    sleepy = Sleepy()
+    idem = Idempotency(MemoryStore(), observers=[sleepy])
+    run(idem, "k-1")
+    assert built == []
+    sleepy.asleep = False
+    run(idem, "k-2")
+    assert sleepy.heard == built == [Kind.EXECUTED, Kind.COMPLETED]
+    sleepy.asleep = True
+    plain: list[Event] = []
+    run(Idempotency(MemoryStore(), observers=[sleepy, plain.append]), "k-3")
+    assert [e.kind for e in plain] == [Kind.EXECUTED, Kind.COMPLETED]
+    # On the global providers, still the API's own in this process: dormant; on providers
+    # of its own (an SDK's), awake, for spans and for metrics alike.
+    assert OpenTelemetryObserver().dormant()
+    assert not telemetry.observer.dormant()
+    metrics_only = OpenTelemetryObserver(meter_provider=telemetry.meter_provider, spans=False)
+    assert not metrics_only.dormant()
+    assert OpenTelemetryObserver(tracer_provider=telemetry.tracer_provider, spans=False).dormant()

@@ -14,7 +14,10 @@ task of the call (a lost lease is reported from the renewal's thread or task), s
 be quick, thread-safe and must not raise: what it raises is logged and swallowed, never
 allowed to change the call's outcome.
 
-With no observer registered a call builds no event at all: the hot path pays one check.
+With no observer registered a call builds no event at all: the hot path pays one check. An
+observer may also have a ``dormant()`` method: while every observer's answers True (an
+`idempo.otel.OpenTelemetryObserver` with no OpenTelemetry SDK set up), calls build no
+events either.
 The decisions that call for a look (a mismatch, a refused or failed store operation, a
 fenced holder, a lost lease, an unguarded run) are logged on the standard library's
 loggers whether or not an observer is registered (see `LOGGERS`).

@@ -92,6 +92,19 @@ __all__ = [
 _logger = logging.getLogger("idempo")
 
 
+def _dormancy(observers: tuple[Observer, ...]) -> Callable[[], bool] | None:
+    """When every observer can say it would do nothing (a ``dormant()`` method, as
+    `idempo.otel.OpenTelemetryObserver` has), whether all of them say so now: the call then
+    builds no event at all. None when one of them always listens."""
+    found = [getattr(observer, "dormant", None) for observer in observers]
+    checks: list[Callable[[], bool]] = [check for check in found if check is not None]
+    if not checks or len(checks) < len(found):
+        return None
+    if len(checks) == 1:
+        return checks[0]
+    return lambda: all(check() for check in checks)
+
+
 def _debugging() -> bool:
     """Whether any layer's logger would show the normal path's DEBUG lines."""
     return any(
@@ -354,7 +367,9 @@ class _Pending(Generic[T]):
     ) -> None:
         self._guard = guard
         self._surface = surface
-        if guard._observing:  # the one test a call with no observer pays
+        # The one test a call with no observer pays; observers that can go dormant (an
+        # OpenTelemetry observer with no SDK behind it) are asked on each call.
+        if guard._observing and not (guard._dormant is not None and guard._dormant()):
             self._observed = unit = self._observed_class(
                 unit, guard._emitter(scope, surface), policy
             )
@@ -781,6 +796,7 @@ class _Guard(Generic[OnceT, BegunT]):
         # which includes a DEBUG logger for the guard's layers (the normal path's decisions
         # are logged at DEBUG). Refusals and faults are reported either way.
         self._observing = bool(self.observers) or _debugging()
+        self._dormant = _dormancy(self.observers) if not _debugging() else None
 
     def _emitter(self, scope: Scope, surface: str) -> Emitter:
         return Emitter(

@@ -141,6 +141,14 @@ class OpenTelemetryObserver:
         if self._spans and (self._own_tracing or not _no_tracing()):
             self._span(event)
 
+    def dormant(self) -> bool:
+        """Whether every span and instrument would be a no-op now (the global providers are
+        the API's own: no SDK is set up yet). The guard asks before each call and, while
+        this says True, builds no event for it: the API alone costs next to nothing."""
+        if self._own_metrics or not _no_metrics():
+            return False
+        return not self._spans or (not self._own_tracing and _no_tracing())
+
     def _measure(self, event: Event) -> None:
         kind = event.kind
         labels = {
