@@ -47,6 +47,7 @@ __all__ = [
     "Kind",
     "Observer",
     "Surface",
+    "dormancy",
     "key_digest",
     "scrub",
 ]
@@ -301,6 +302,23 @@ class Emitter:
         log(event, self.key)
         notify(self.observers, event)
         return event
+
+
+def dormancy(observers: tuple[Observer, ...]) -> Callable[[], bool] | None:
+    """When every observer can say it would do nothing (a ``dormant()`` method, as
+    `idempo.otel.OpenTelemetryObserver` has): a check of whether all of them say so now,
+    and then a call builds no event at all. None when one of them always listens.
+
+    >>> dormancy([print]) is None
+    True
+    """
+    found = [getattr(observer, "dormant", None) for observer in observers]
+    checks: list[Callable[[], bool]] = [check for check in found if check is not None]
+    if not checks or len(checks) < len(found):
+        return None
+    if len(checks) == 1:
+        return checks[0]
+    return lambda: all(check() for check in checks)
 
 
 def notify(observers: Iterable[Observer], event: Event) -> None:

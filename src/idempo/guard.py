@@ -73,7 +73,7 @@ from .errors import (
     RequestInProgressError,
     StoreError,
 )
-from .events import Emitter, Kind, Observer, Surface
+from .events import Emitter, Kind, Observer, Surface, dormancy
 from .policy import Policy
 from .serializers import Serializer, return_serializer
 from .stores.base import AsyncStore, AsyncTransactionalStore, Mode, Store, TransactionalStore
@@ -90,19 +90,6 @@ __all__ = [
 ]
 
 _logger = logging.getLogger("idempo")
-
-
-def _dormancy(observers: tuple[Observer, ...]) -> Callable[[], bool] | None:
-    """When every observer can say it would do nothing (a ``dormant()`` method, as
-    `idempo.otel.OpenTelemetryObserver` has), whether all of them say so now: the call then
-    builds no event at all. None when one of them always listens."""
-    found = [getattr(observer, "dormant", None) for observer in observers]
-    checks: list[Callable[[], bool]] = [check for check in found if check is not None]
-    if not checks or len(checks) < len(found):
-        return None
-    if len(checks) == 1:
-        return checks[0]
-    return lambda: all(check() for check in checks)
 
 
 def _debugging() -> bool:
@@ -796,7 +783,7 @@ class _Guard(Generic[OnceT, BegunT]):
         # which includes a DEBUG logger for the guard's layers (the normal path's decisions
         # are logged at DEBUG). Refusals and faults are reported either way.
         self._observing = bool(self.observers) or _debugging()
-        self._dormant = _dormancy(self.observers) if not _debugging() else None
+        self._dormant = dormancy(self.observers) if not _debugging() else None
 
     def _emitter(self, scope: Scope, surface: str) -> Emitter:
         return Emitter(

@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 from ..errors import ConfigurationError, CorruptRecordError, SchemaMissingError, StoreError
-from ..events import Emitter, Kind, Observer
+from ..events import Emitter, Kind, Observer, dormancy
 from ._db import RelayDb, open_db
 from ._message import OutboxMessage, Publisher
 from ._sql import OutboxSql, Publish, outbox_table
@@ -151,6 +151,7 @@ class Relay:
         self._settings = _Settings(batch, float(poll), lease, float(publish_timeout))
         self._backoff = backoff or exponential_backoff()
         self._observers = tuple(observers)
+        self._dormant = dormancy(self._observers)
         self._clock = clock
         self._db: RelayDb | None = None
         self._sql: OutboxSql | None = None
@@ -333,7 +334,7 @@ class Relay:
         return failures
 
     def _emitter(self, message: OutboxMessage) -> Emitter | None:
-        if not self._observers:
+        if not self._observers or (self._dormant is not None and self._dormant()):
             return None
         return Emitter(
             self._observers,
