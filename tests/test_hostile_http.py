@@ -55,6 +55,7 @@ from starlette.routing import Route
 from idempo import Idempotency, InvalidPayloadError
 from idempo._http import canonical_parts, parse_key
 from idempo.asgi import IdempotencyMiddleware
+from idempo.errors import ConfigurationError
 from idempo.events import key_digest
 from idempo.stores.postgres import AsyncPostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
@@ -696,6 +697,31 @@ def test_reordered_query_and_form_fields_are_one_request_through_every_adapter(
     other_query = site.call(Sent([b"q-1"], [FORM], b"a=1&b=2&tag=x&tag=y", b"y=2&z=4", 1))
     assert other_query.status == 422, other_query
     assert len(site.endpoint.reached) == 1
+
+
+def test_the_key_header_is_an_option_on_every_adapter(make_site: MakeSite) -> None:
+    """``key_header="X-GitHub-Delivery"``: a webhook's redelivery (same delivery id) replays,
+    another delivery runs; ``Idempotency-Key`` alone is then no key (400 naming the header
+    the app chose)."""
+    site = make_site(key_header="X-GitHub-Delivery")
+    json_type = (b"content-type", b"application/json")
+
+    def delivery(value: bytes) -> Sent:
+        return Sent([], [(b"x-github-delivery", value), json_type], b'{"event":"push"}', b"", 1)
+
+    first = site.call(delivery(b"72d3162e-cc78-11e3-81ab-4c9367dc0958"))
+    assert first.status == 201, first
+    again = site.call(delivery(b"72d3162e-cc78-11e3-81ab-4c9367dc0958"))
+    assert again.replayed
+    assert again.body == first.body
+    assert site.call(delivery(b"another-delivery")).status == 201
+    keyed = site.call(Sent([b"k-1"], [json_type], b'{"event":"push"}', b"", 1))
+    assert keyed.status == 400, keyed
+    assert b"requires an X-GitHub-Delivery header" in keyed.body
+    assert len(site.endpoint.reached) == 2
+    # When the middleware is made: at once, or (Starlette's add_middleware) on the first call.
+    with pytest.raises(ConfigurationError, match="key_header must be an HTTP header name"):
+        make_site(key_header="X GitHub Delivery").call(delivery(b"d-2"))
 
 
 def test_a_query_in_order_fingerprints_as_before() -> None:

@@ -26,8 +26,8 @@ from ._http.before_endpoint import (
     watch_litestar,
     watch_starlette,
 )
-from ._http.keys import KEY_HEADER, headers_named
-from ._http.lifecycle import READ_HEADERS, AsyncRun, Lifecycle, Unguarded, areserve
+from ._http.keys import headers_named
+from ._http.lifecycle import AsyncRun, Lifecycle, Unguarded, areserve
 from ._http.options import HttpOptions, HttpSettings, ShowsOptions
 from ._http.response import HttpResponse
 from ._http.routes import StarletteRoutes, route_template
@@ -137,12 +137,12 @@ class _Exchange:
         self.path: str = scope["path"]
         self.query = bytes(scope.get("query_string", b""))
         self.headers: list[Any] = list(scope.get("headers") or [])
-        self.named = headers_named(self.headers, READ_HEADERS)
+        self.named = headers_named(self.headers, self.lifecycle.read_headers)
         self.chunks: list[bytes] = []
 
     async def run(self) -> None:
         lifecycle = self.lifecycle
-        key = lifecycle.key(self.named.get(KEY_HEADER, []))
+        key = lifecycle.key(self.named)
         if key is None:
             await self.mw.app(self.scope, self.receive, self.send)
             return

@@ -96,9 +96,14 @@ class InvalidKeyError(IdempotencyError):
 
 
 class MissingKeyError(InvalidKeyError):
-    """The endpoint requires an ``Idempotency-Key`` header and the request has none."""
+    """The endpoint requires an ``Idempotency-Key`` header (or the one the middleware was
+    told to read, ``header``) and the request has none."""
 
     status_code = 400
+
+    def __init__(self, message: str = "", *, header: str = "Idempotency-Key") -> None:
+        super().__init__(message or f"the {header} header is missing")
+        self.header = header
 
 
 class RequestTooLargeError(IdempotencyError):

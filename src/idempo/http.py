@@ -7,8 +7,8 @@ of `HttpOptions`; `HttpSettings` checks them. docs/extending.md, "Writing a fram
 adapter", walks through `idempo.contrib.aiohttp` as the worked example::
 
     lifecycle = Lifecycle(HttpSettings(options, owner="Mine", asynchronous=True), routes)
-    named = headers_named(headers, READ_HEADERS)
-    key = lifecycle.key(named.get(KEY_HEADER, []))    # str, an HttpResponse (400), None
+    named = headers_named(headers, lifecycle.read_headers)
+    key = lifecycle.key(named)    # str, an HttpResponse (400), None
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Unpack
 
-from ._http.keys import KEY_HEADER, Header, headers_named
+from ._http.keys import Header, headers_named
 from ._http.lifecycle import (
-    READ_HEADERS,
     Incoming,
     Lifecycle,
     Run,
@@ -105,8 +104,8 @@ class IdempotencyWSGIMiddleware(ShowsOptions):
         if method not in settings.methods:
             return self.app(environ, start_response)
         headers = request_headers(environ)
-        named = headers_named(headers, READ_HEADERS)
-        key = lifecycle.key(named.get(KEY_HEADER, []))
+        named = headers_named(headers, lifecycle.read_headers)
+        key = lifecycle.key(named)
         if key is None:
             return self.app(environ, start_response)  # never buffered: no key, none required
         if isinstance(key, HttpResponse):

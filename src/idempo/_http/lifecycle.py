@@ -8,8 +8,8 @@ Django) and `areserve` / `AsyncRun` for asyncio ones (ASGI, aiohttp). An adapter
 request, calls the face, runs its app and hands the whole response to ``run.settle``::
 
     lifecycle = Lifecycle(HttpSettings(options, owner="Mine", asynchronous=True), routes)
-    named = headers_named(headers, READ_HEADERS)
-    key = lifecycle.key(named.get(KEY_HEADER, []))     # str, a 400 to send, or None
+    named = headers_named(headers, lifecycle.read_headers)
+    key = lifecycle.key(named)                         # str, a 400 to send, or None
     request = Incoming(raw, method, path, query, headers, named, body, user)
     outcome = await areserve(lifecycle, stack, key, request)
     # an HttpResponse to send (replay, refusal), Unguarded (fail open), or an AsyncRun:
@@ -133,6 +133,10 @@ class Lifecycle:
         # The route-template hook (`idempo._http.routes`): the app's ``routes=`` or the
         # adapter's default for its framework, called with the framework's request.
         self.routes = routes
+        # The headers a request is read for: the key's (``key_header=``) and the size,
+        # authorization and cookie ones.
+        self.key_header = settings.key_header
+        self.read_headers = (READ_HEADERS - {KEY_HEADER}) | {settings.key_header}
 
     def problem(self, exc: IdempotencyError) -> HttpResponse:
         """The problem response for a refusal, with this middleware's Retry-After settings."""
@@ -143,13 +147,14 @@ class Lifecycle:
             store_retry_after=settings.store_retry_after,
         )
 
-    def key(self, values: Sequence[bytes]) -> str | HttpResponse | None:
-        """The request's key from its ``Idempotency-Key`` values; or the 400 to answer; or
-        None: no key and none required, so the request runs unguarded."""
+    def key(self, named: Mapping[bytes, Sequence[bytes]]) -> str | HttpResponse | None:
+        """The request's key from the values of its key header (``Idempotency-Key``, or the
+        ``key_header`` option's) among ``named``; or the 400 to answer; or None: no key and
+        none required, so the request runs unguarded."""
         try:
-            key = parse_key(values)
+            key = parse_key(named.get(self.key_header, ()))
             if key is None and self.settings.require_key:
-                raise MissingKeyError("the Idempotency-Key header is missing")
+                raise MissingKeyError(header=self.settings.key_header_name)
         except IdempotencyError as exc:
             return self.problem(exc)
         return key

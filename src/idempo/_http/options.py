@@ -13,6 +13,7 @@ checks them once, when the middleware is made, and is what the lifecycle reads p
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypedDict, TypeVar
@@ -61,6 +62,9 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
         methods: the guarded methods (POST and PATCH); others pass through untouched.
         require_key: answer 400 to a guarded request without a key; if False such a request
             passes through without idempotency.
+        key_header: the request header the key is read from (``Idempotency-Key``): another
+            API's name (``X-Idempotency-Key``, ``PayPal-Request-Id``) or a webhook sender's
+            delivery id (``X-GitHub-Delivery``), so its redeliveries are deduplicated.
         principal: who asked, from the request. A string is the principal (``""``:
             anonymous); None means the resolver cannot tell, and the request is refused with
             401 ``principal-required`` unless ``allow_anonymous``. Without a resolver: the
@@ -105,6 +109,7 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
     reveal_keys: bool
     methods: Collection[str]
     require_key: bool
+    key_header: str
     principal: Callable[[RequestT], str | None] | None
     allow_anonymous: bool
     operation: Callable[[RequestT], str | None] | None
@@ -164,6 +169,8 @@ class HttpSettings:
         self.idempotency: Any = make(options, self, owner)
         self.methods = frozenset(method.upper() for method in get("methods", ("POST", "PATCH")))
         self.require_key: bool = get("require_key", True)
+        self.key_header_name: str = get("key_header", "Idempotency-Key")
+        self.key_header: bytes = _header_name(self.key_header_name)
         self.principal: Callable[[Any], str | None] | None = get("principal")
         self.principals = Principals(allow_anonymous=get("allow_anonymous", False), owner=owner)
         self.operation: Callable[[Any], str | None] | None = get("operation")
@@ -206,6 +213,20 @@ def _check_connection(settings: HttpSettings, asynchronous: bool) -> None:
             "fail_open cannot go with connection=: the endpoint's writes ride on the"
             " record's transaction, so there is nothing to run unguarded"
         )
+
+
+def _header_name(name: object) -> bytes:
+    """The ``key_header`` option as the lowercase bytes headers are matched by.
+
+    >>> _header_name("X-GitHub-Delivery")
+    b'x-github-delivery'
+    """
+    if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+        raise ConfigurationError(f"key_header must be an HTTP header name, not {name!r}")
+    return name.lower().encode("ascii")
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110's token: a field name
 
 
 def check_options(

@@ -74,12 +74,12 @@ def problem_for(
         store_retry_after: ``Retry-After`` for a 503 when the store is unreachable.
     """
     match exc:
-        case MissingKeyError():
+        case MissingKeyError(header=header):
             return problem(
                 400,
                 "missing-key",
                 "Missing idempotency key",
-                "This endpoint requires an Idempotency-Key header: one unique value per "
+                f"This endpoint requires an {header} header: one unique value per "
                 "intent, reused on every retry.",
             )
         case InvalidKeyError():

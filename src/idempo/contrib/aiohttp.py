@@ -49,8 +49,8 @@ class IdempotencyMiddleware(http.ShowsOptions):
         if request.method not in self.settings.methods:
             return await handler(request)
         headers: list[http.Header] = [(name.lower(), value) for name, value in request.raw_headers]
-        named = http.headers_named(headers, http.READ_HEADERS)
-        key = lifecycle.key(named.get(http.KEY_HEADER, []))
+        named = http.headers_named(headers, lifecycle.read_headers)
+        key = lifecycle.key(named)
         if key is None or request.match_info.http_exception is not None:
             return await handler(request)  # unguarded, or answered before any endpoint ran
         if isinstance(key, http.HttpResponse):

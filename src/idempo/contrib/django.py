@@ -25,8 +25,8 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
-from .._http.keys import KEY_HEADER, Header, headers_named
-from .._http.lifecycle import READ_HEADERS, Incoming, Lifecycle, Run, Unguarded, reserve
+from .._http.keys import Header, headers_named
+from .._http.lifecycle import Incoming, Lifecycle, Run, Unguarded, reserve
 from .._http.options import OPTION_NAMES, HttpSettings, ShowsOptions
 from .._http.response import HttpResponse as StoredResponse
 from .._http.routes import NO_ROUTE, NoRoute
@@ -105,8 +105,8 @@ class IdempotencyMiddleware(ShowsOptions):
         if method not in lifecycle.settings.methods:
             return self.get_response(request)
         headers = request_headers(request.META)
-        named = headers_named(headers, READ_HEADERS)
-        key = lifecycle.key(named.get(KEY_HEADER, []))
+        named = headers_named(headers, lifecycle.read_headers)
+        key = lifecycle.key(named)
         if key is None:
             return self.get_response(request)
         if isinstance(key, StoredResponse):
