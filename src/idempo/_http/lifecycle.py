@@ -147,12 +147,17 @@ class Lifecycle:
             store_retry_after=settings.store_retry_after,
         )
 
-    def key(self, named: Mapping[bytes, Sequence[bytes]]) -> str | HttpResponse | None:
+    def key(
+        self, named: Mapping[bytes, Sequence[bytes]] | Sequence[bytes]
+    ) -> str | HttpResponse | None:
         """The request's key from the values of its key header (``Idempotency-Key``, or the
-        ``key_header`` option's) among ``named``; or the 400 to answer; or None: no key and
-        none required, so the request runs unguarded."""
+        ``key_header`` option's) among ``named`` (`read_headers` as `headers_named` found
+        them); or the 400 to answer; or None: no key and none required, so the request runs
+        unguarded. Given the header's values themselves (what an adapter written before
+        ``key_header`` passes), they are taken as they are."""
+        values = named.get(self.key_header, ()) if isinstance(named, Mapping) else named
         try:
-            key = parse_key(named.get(self.key_header, ()))
+            key = parse_key(values)
             if key is None and self.settings.require_key:
                 raise MissingKeyError(header=self.settings.key_header_name)
         except IdempotencyError as exc:
