@@ -54,12 +54,12 @@ from starlette.routing import Route
 
 from idempo import Idempotency, InvalidPayloadError
 from idempo._http import canonical_parts, parse_key
-from idempo.asgi import IdempotencyMiddleware
+from idempo.asgi import ATTEMPT_SCOPE_KEY, IdempotencyMiddleware
 from idempo.errors import ConfigurationError
 from idempo.events import key_digest
 from idempo.stores.postgres import AsyncPostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
-from idempo.wsgi import IdempotencyWSGIMiddleware
+from idempo.wsgi import ATTEMPT_ENVIRON_KEY, IdempotencyWSGIMiddleware
 
 BODY_LIMIT = 64 * 1024
 DEEP = 500  # defect #9: about 500 levels, 1.2 KB, and json.loads accepts it
@@ -74,10 +74,14 @@ class Endpoint:
 
     reached: list[tuple[list[bytes], bytes, int]] = field(default_factory=list)
 
-    def answer(self, keys: list[bytes], body: bytes) -> tuple[int, bytes]:
+    def answer(self, keys: list[bytes], body: bytes, attempt: Any = None) -> tuple[int, bytes]:
         """201 with the body's digest, or the app's own deterministic 422 for a body that
-        starts with ``reject``. Never a 5xx: any 5xx a test sees is idempo's."""
+        starts with ``reject``, or a 400 it says not to store (`Attempt.do_not_store`) for
+        one that starts with ``unkept``. Never a 5xx: any 5xx a test sees is idempo's."""
         status = 422 if body.startswith(b"reject") else 201
+        if body.startswith(b"unkept"):
+            attempt.do_not_store()
+            status = 400
         self.reached.append((keys, body, status))
         digest = hashlib.sha256(body).hexdigest()
         return status, json.dumps({"n": len(self.reached), "sha256": digest}).encode()
@@ -90,7 +94,8 @@ def _keys_of(values: list[str] | None) -> list[bytes]:
 def starlette_app(endpoint: Endpoint, store: Any, **options: Any) -> Any:
     async def items(request: Request) -> Response:
         keys = _keys_of(request.headers.getlist("idempotency-key"))
-        status, content = endpoint.answer(keys, await request.body())
+        attempt = request.scope.get(ATTEMPT_SCOPE_KEY)
+        status, content = endpoint.answer(keys, await request.body(), attempt)
         return Response(content, status_code=status, media_type="application/json")
 
     return Starlette(
@@ -113,7 +118,8 @@ def fastapi_app(endpoint: Endpoint, store: Any, **options: Any) -> Any:
     @app.post("/items")
     async def items(request: Request) -> Response:
         keys = _keys_of(request.headers.getlist("idempotency-key"))
-        status, content = endpoint.answer(keys, await request.body())
+        attempt = request.scope.get(ATTEMPT_SCOPE_KEY)
+        status, content = endpoint.answer(keys, await request.body(), attempt)
         return Response(content, status_code=status, media_type="application/json")
 
     app.add_middleware(
@@ -130,7 +136,8 @@ def litestar_app(endpoint: Endpoint, store: Any, **options: Any) -> Any:
     @litestar_post("/items")
     async def items(request: LitestarRequest[Any, Any, Any]) -> LitestarResponse[bytes]:
         keys = _keys_of(request.headers.getall("idempotency-key", []))
-        status, content = endpoint.answer(keys, await request.body())
+        attempt = request.scope.get(ATTEMPT_SCOPE_KEY)
+        status, content = endpoint.answer(keys, await request.body(), attempt)
         return LitestarResponse(content, status_code=status, media_type="application/json")
 
     return Litestar(
@@ -154,7 +161,8 @@ def flask_app(endpoint: Endpoint, store: Any, **options: Any) -> Any:
     @app.post("/items")
     def items() -> Any:
         keys = _keys_of(flask_request.headers.getlist("Idempotency-Key"))
-        status, content = endpoint.answer(keys, flask_request.get_data())
+        attempt = flask_request.environ.get(ATTEMPT_ENVIRON_KEY)
+        status, content = endpoint.answer(keys, flask_request.get_data(), attempt)
         return content, status, {"Content-Type": "application/json"}
 
     app.wsgi_app = IdempotencyWSGIMiddleware(  # type: ignore[method-assign]
@@ -169,7 +177,8 @@ django_endpoint = Endpoint()
 def django_items(request: DjangoRequest) -> DjangoResponse:
     value = request.META.get("HTTP_IDEMPOTENCY_KEY")
     keys = [] if value is None else [value.encode("latin-1")]
-    status, content = django_endpoint.answer(keys, request.body)
+    attempt = getattr(request, "idempo_attempt", None)
+    status, content = django_endpoint.answer(keys, request.body, attempt)
     return DjangoResponse(content, status=status, content_type="application/json")
 
 
@@ -722,6 +731,22 @@ def test_the_key_header_is_an_option_on_every_adapter(make_site: MakeSite) -> No
     # When the middleware is made: at once, or (Starlette's add_middleware) on the first call.
     with pytest.raises(ConfigurationError, match="key_header must be an HTTP header name"):
         make_site(key_header="X GitHub Delivery").call(delivery(b"d-2"))
+
+
+def test_an_answer_the_endpoint_does_not_store_releases_the_key(site: Site) -> None:
+    """``attempt.do_not_store()`` (a validation failure the app found itself): the 400 is
+    sent, nothing is kept, and the client that fixes its body retries with the same key and
+    gets the work done, not a 422 for a changed body."""
+    json_type = (b"content-type", b"application/json")
+    refused = site.call(Sent([b"fix-1"], [json_type], b"unkept: amount missing", b"", 1))
+    assert refused.status == 400, refused
+    assert not refused.replayed
+    assert site.records() == []
+    fixed = site.call(Sent([b"fix-1"], [json_type], b'{"amount": 5}', b"", 1))
+    assert fixed.status == 201, fixed
+    assert site.call(Sent([b"fix-1"], [json_type], b'{"amount": 5}', b"", 1)).replayed
+    assert site.records() == [("fix-1", "completed")]
+    assert len(site.endpoint.reached) == 2
 
 
 def test_a_query_in_order_fingerprints_as_before() -> None:

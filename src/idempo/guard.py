@@ -185,6 +185,8 @@ class Attempt(Generic[T]):
     """
 
     result: T
+    # Set on the instance only by `do_not_store`: the hot path never writes it.
+    _unkept = False
 
     def __init__(
         self,
@@ -210,6 +212,25 @@ class Attempt(Generic[T]):
     @property
     def lease_lost(self) -> bool:
         return self._lost is not None
+
+    def do_not_store(self) -> None:
+        """HTTP: send this request's answer without storing it, and release the key, so a
+        client that fixes its request may retry with the same key (SPEC §2 rule 7, as for
+        an answer given before the endpoint ran: a validation failure, a refused login).
+        On the app's connection the endpoint's writes roll back with the release: a retry
+        runs it again. The function API's way is a transient exception.
+
+            attempt = current_attempt(request)
+            if not valid(payload):
+                attempt.do_not_store()
+                return JSONResponse({"error": "invalid"}, status_code=400)
+        """
+        self._unkept = True
+
+    @property
+    def keeps_answer(self) -> bool:
+        """False once `do_not_store` was called."""
+        return not self._unkept
 
     @property
     def resumed(self) -> bool:

@@ -413,6 +413,8 @@ class Run:
             return True
         self.settled = True
         self._renewal.stop()
+        if not self.attempt.keeps_answer:
+            result = None  # the endpoint said not to store it: release the key
         try:
             with self._stack:
                 self._handle.finish(result)
@@ -513,6 +515,8 @@ class AsyncRun:
             return True
         self.settled = True
         await self._renewal.stop()
+        if not self.attempt.keeps_answer:
+            result = None  # the endpoint said not to store it: release the key
         try:
             await self._handle.finish(result)
         except IdempotencyError as exc:

@@ -31,9 +31,12 @@ from .._http.options import OPTION_NAMES, HttpSettings, ShowsOptions
 from .._http.response import HttpResponse as StoredResponse
 from .._http.routes import NO_ROUTE, NoRoute
 from ..errors import ConfigurationError, StoreUnavailableError
+from ..guard import Attempt
 from ..wsgi import request_headers
 
-__all__ = ["IdempotencyMiddleware", "route_template"]
+__all__ = ["IdempotencyMiddleware", "current_attempt", "route_template"]
+
+_ATTEMPT = "idempo_attempt"  # the request attribute a guarded request's attempt is put in
 
 # The IDEMPO setting's keys are the middlewares' options (HttpOptions) in upper case.
 _OPTIONS = {name.upper(): name for name in OPTION_NAMES}
@@ -172,6 +175,7 @@ def route_template(request: HttpRequest) -> str | None:
 def _execute(
     get_response: Callable[[HttpRequest], HttpResponseBase], run: Run, request: HttpRequest
 ) -> HttpResponseBase:
+    setattr(request, _ATTEMPT, run.attempt)
     try:
         response = get_response(request)
     except BaseException as exc:
@@ -247,3 +251,16 @@ def _to_django(response: StoredResponse) -> HttpResponse:
     for name, value in response.headers:
         django_response[name.decode("latin-1")] = value.decode("latin-1")
     return django_response
+
+
+def current_attempt(request: HttpRequest) -> Attempt:
+    """This request's attempt: its scope (principal, operation, key) and fencing token, for
+    downstream keys (`Attempt.downstream_key`) and `Attempt.do_not_store`.
+
+    Raises:
+        ConfigurationError: the request is not guarded by the middleware.
+    """
+    attempt = getattr(request, _ATTEMPT, None)
+    if not isinstance(attempt, Attempt):
+        raise ConfigurationError("this request is not guarded by IdempotencyMiddleware")
+    return attempt
