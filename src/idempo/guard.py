@@ -828,6 +828,7 @@ class _Guard(Generic[OnceT, BegunT]):
         """Report a decision an integration made around this guard (an HTTP middleware
         failing open, `Kind.FAIL_OPEN`) to its observers and its layer's logger.
 
+        >>> from idempo.events import key_digest
         >>> from idempo.stores.memory import MemoryStore
         >>> seen = []
         >>> idem = Idempotency(MemoryStore(), observers=[seen.append])
