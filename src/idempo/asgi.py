@@ -120,8 +120,6 @@ class _Exchange:
     start: Message | None = None
     size = 0
     streaming = False
-    # Set by `answered_before_endpoint`: the answer is not stored, the key is released.
-    before_endpoint = False
 
     def __init__(
         self, middleware: IdempotencyMiddleware, scope: ASGIScope, receive: Receive, send: Send
@@ -226,7 +224,7 @@ class _Exchange:
         more = bool(message.get("more_body", False))
         self.size += len(chunk)
         if self.streaming:
-            if not more and not await run.settle(self._result(self._unkept())):
+            if not more and not await run.settle(self._unkept()):
                 # Most of a response whose writes rolled back is out: end it broken, never
                 # whole, so the client cannot take it for an answer.
                 raise StoreUnavailableError("the writes behind this response did not commit")
@@ -237,7 +235,7 @@ class _Exchange:
             # Holding a response this big would hold the client hostage to the store's
             # limit: stream it, and record that it could not be kept.
             self.streaming = True
-            if not more and not await run.settle(self._result(self._unkept())):
+            if not more and not await run.settle(self._unkept()):
                 await self._answer(self.lifecycle.not_committed())
                 return
             held, self.chunks = b"".join(self.chunks), []
@@ -251,16 +249,11 @@ class _Exchange:
             tuple([(bytes(name), bytes(value)) for name, value in self.start.get("headers", [])]),
             b"".join(self.chunks),
         )
-        if not await run.settle(None if self.before_endpoint else response):
+        if not await run.settle(response):
             await self._answer(self.lifecycle.not_committed())
             return
         await self.send(self.start)
         await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
-
-    def _result(self, response: Any) -> Any:
-        """What the run settles with: nothing (the key is released) for an answer given
-        before the endpoint ran."""
-        return None if self.before_endpoint else response
 
     def _unkept(self) -> Any:
         assert self.start is not None
@@ -302,7 +295,7 @@ class _Exchange:
         scope = dict(self.scope)
         # What the endpoint may use: idempo.contrib.starlette reads these.
         scope[ATTEMPT_SCOPE_KEY] = run.attempt
-        scope[BEFORE_ENDPOINT_SCOPE_KEY] = self
+        scope[BEFORE_ENDPOINT_SCOPE_KEY] = run.attempt  # `answered_before_endpoint` marks it
         if self.mw.unhooked:
             # Litestar runs a middleware per route, inside its app: its first run finds it.
             self.mw.unhooked = False

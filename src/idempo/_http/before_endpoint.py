@@ -1,8 +1,10 @@
 """Answers given before the endpoint ran (SPEC §2 rule 7): the framework's request
 validation, a Litestar guard, and so on. The middleware cannot see who answered, so the
-framework tells it, through a marker the middleware puts in the ASGI scope of each guarded
-request: `answered_before_endpoint` sets it, and the middleware then releases the key
-instead of storing the answer, so the client may fix its request and retry with the same key.
+framework tells it, through the request's attempt, which the middleware also puts in the
+ASGI scope under `BEFORE_ENDPOINT_SCOPE_KEY`: `answered_before_endpoint` calls its
+``do_not_store()`` (`idempo.guard.Attempt.do_not_store`, what an endpoint itself calls), and
+the key is released instead of the answer stored, so the client may fix its request and
+retry with the same key.
 
 idempo calls it for the frameworks it knows, found by duck typing (no framework imported):
 
@@ -16,12 +18,12 @@ idempo calls it for the frameworks it knows, found by duck typing (no framework 
 An app's own check that answers before its endpoint (its own validation or auth middleware
 inside the guarded app) may call `answered_before_endpoint` too.
 
-    >>> class Marker:
-    ...     before_endpoint = False
-    >>> scope = {"idempo.before_endpoint": Marker()}
+    >>> from idempo import Scope
+    >>> from idempo.guard import Attempt
+    >>> scope = {"idempo.before_endpoint": Attempt(Scope.of("k", operation="x"), replayed=False)}
     >>> answered_before_endpoint(scope)
-    >>> scope["idempo.before_endpoint"].before_endpoint
-    True
+    >>> scope["idempo.before_endpoint"].keeps_answer
+    False
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ __all__ = [
 ]
 
 BEFORE_ENDPOINT_SCOPE_KEY = "idempo.before_endpoint"
-"""Where a guarded request's marker is, in the scope the app gets: an object whose
-``before_endpoint`` attribute `answered_before_endpoint` sets."""
+"""Where a guarded request's attempt is, in the scope the app gets, for
+`answered_before_endpoint` (an object with a ``do_not_store()`` method)."""
 
 # How far down an app's wrappers (middlewares' ``.app``) the exception middleware is looked
 # for: a stack is a handful deep.
@@ -52,9 +54,9 @@ def answered_before_endpoint(scope: MutableMapping[str, Any]) -> None:
     """Say that the answer to this request is given before its endpoint ran: the guarding
     middleware releases the key instead of storing the answer. A no-op on a request that is
     not guarded."""
-    marker = scope.get(BEFORE_ENDPOINT_SCOPE_KEY)
-    if marker is not None:
-        marker.before_endpoint = True
+    attempt = scope.get(BEFORE_ENDPOINT_SCOPE_KEY)
+    if attempt is not None:
+        attempt.do_not_store()
 
 
 # --- Starlette / FastAPI -----------------------------------------------------------------

@@ -135,7 +135,6 @@ class Lifecycle:
         self.routes = routes
         # The headers a request is read for: the key's (``key_header=``) and the size,
         # authorization and cookie ones.
-        self.key_header = settings.key_header
         self.read_headers = (READ_HEADERS - {KEY_HEADER}) | {settings.key_header}
 
     def problem(self, exc: IdempotencyError) -> HttpResponse:
@@ -155,7 +154,7 @@ class Lifecycle:
         them); or the 400 to answer; or None: no key and none required, so the request runs
         unguarded. Given the header's values themselves (what an adapter written before
         ``key_header`` passes), they are taken as they are."""
-        values = named.get(self.key_header, ()) if isinstance(named, Mapping) else named
+        values = named.get(self.settings.key_header, ()) if isinstance(named, Mapping) else named
         try:
             key = parse_key(values)
             if key is None and self.settings.require_key:
