@@ -140,17 +140,14 @@ class _Exchange:
 
     async def run(self) -> None:
         lifecycle = self.lifecycle
-        key = lifecycle.key(self.named)
-        if key is None:
+        admission = lifecycle.admit(self.scope, self.method, self.path, self.named)
+        if admission is None:
+            # Not guarded: excluded, marked so, unrouted (the router answers 404 or 405), or
+            # without a key where none is required.
             await self.mw.app(self.scope, self.receive, self.send)
             return
-        if isinstance(key, HttpResponse):
-            await self._answer(key)
-            return
-        operation = lifecycle.operation(self)
-        if operation is None:
-            # No route matches: the router answers (404, 405), and nothing is stored.
-            await self.mw.app(self.scope, self.receive, self.send)
+        if isinstance(admission, HttpResponse):
+            await self._answer(admission)
             return
         try:
             body = await self._read_body()
@@ -159,6 +156,15 @@ class _Exchange:
             return
         if body is None:
             return  # the client went away before sending its whole body
+        self.body = body
+        key = admission.key or lifecycle.hooked_key(admission, self)
+        if key is None:  # the hook found no key, and none is required
+            await self.mw.app(self.scope, self._receive_body(body), self.send)
+            return
+        if isinstance(key, HttpResponse):
+            await self._answer(key)
+            return
+        operation = admission.operation
         if lifecycle.settings.connection is None:
             await self._guarded(key, operation, body, None)
             return
@@ -170,7 +176,6 @@ class _Exchange:
     async def _guarded(
         self, key: str, operation: str, body: bytes, connection: AsyncExitStack | None
     ) -> None:
-        self.body = body
         outcome = await areserve(self.lifecycle, connection, key, self, operation)
         if isinstance(outcome, HttpResponse):
             await self._answer(outcome)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from ._http.keys import KEY_HEADER, Header, header_values, headers_named
 from ._http.lifecycle import (
     READ_HEADERS,
+    Admission,
     AsyncRun,
     Incoming,
     Lifecycle,
@@ -27,6 +28,17 @@ from ._http.lifecycle import (
     reserve,
 )
 from ._http.options import DEFAULT_BODY_LIMIT, HttpOptions, HttpSettings, ShowsOptions
+from ._http.per_route import (
+    KeyHook,
+    PathRules,
+    Routed,
+    RouteRule,
+    header_key,
+    idempotent,
+    json_field,
+    not_idempotent,
+    rule_of,
+)
 from ._http.response import HttpResponse, UnkeptResponse
 from ._http.routes import NO_ROUTE, NoRoute, RouteTemplate
 from ._reexport import publish
@@ -36,29 +48,48 @@ __all__ = [
     "KEY_HEADER",
     "NO_ROUTE",
     "READ_HEADERS",
+    "Admission",
     "AsyncRun",
     "Header",
     "HttpOptions",
     "HttpResponse",
     "HttpSettings",
     "Incoming",
+    "KeyHook",
     "Lifecycle",
     "NoRoute",
+    "PathRules",
     "Request",
+    "RouteRule",
     "RouteTemplate",
+    "Routed",
     "Run",
     "ShowsOptions",
     "Unguarded",
     "UnkeptResponse",
     "areserve",
+    "header_key",
     "header_values",
     "headers_named",
+    "idempotent",
+    "json_field",
+    "not_idempotent",
     "read_limited",
     "reserve",
+    "rule_of",
 ]
 
 publish(
     __name__,
+    Admission,
+    PathRules,
+    RouteRule,
+    Routed,
+    header_key,
+    idempotent,
+    json_field,
+    not_idempotent,
+    rule_of,
     AsyncRun,
     HttpOptions,
     HttpResponse,

@@ -105,11 +105,12 @@ class IdempotencyWSGIMiddleware(ShowsOptions):
             return self.app(environ, start_response)
         headers = request_headers(environ)
         named = headers_named(headers, lifecycle.read_headers)
-        key = lifecycle.key(named)
-        if key is None:
-            return self.app(environ, start_response)  # never buffered: no key, none required
-        if isinstance(key, HttpResponse):
-            return _answer(start_response, key)
+        path = str(environ.get("SCRIPT_NAME", "")) + str(environ.get("PATH_INFO", ""))
+        admission = lifecycle.admit(environ, method, path, named)
+        if admission is None:
+            return self.app(environ, start_response)  # not guarded: never buffered
+        if isinstance(admission, HttpResponse):
+            return _answer(start_response, admission)
         if lifecycle.declared_too_large(named.get(b"content-length")):
             return _answer(start_response, lifecycle.too_large())
         body = _read_body(environ, settings.max_request_bytes)
@@ -118,14 +119,15 @@ class IdempotencyWSGIMiddleware(ShowsOptions):
         # The app reads the body again, from what was read here.
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
-        path = str(environ.get("SCRIPT_NAME", "")) + str(environ.get("PATH_INFO", ""))
         query = str(environ.get("QUERY_STRING", "")).encode("latin-1")
         user = lambda: flask_login_user(self.flask_app, environ, body)  # noqa: E731
         request = Incoming(environ, method, path, query, headers, named, body, user)
-        operation = lifecycle.operation(request)
-        if operation is None:
-            return self.app(environ, start_response)  # no route matches: the router answers
-        outcome = reserve(lifecycle, key, request, operation)
+        key = admission.key or lifecycle.hooked_key(admission, request)
+        if key is None:
+            return self.app(environ, start_response)  # the hook found no key: none required
+        if isinstance(key, HttpResponse):
+            return _answer(start_response, key)
+        outcome = reserve(lifecycle, key, request, admission.operation)
         if isinstance(outcome, HttpResponse):
             return _answer(start_response, outcome)
         if isinstance(outcome, Unguarded):

@@ -26,6 +26,7 @@ from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .._core.keys import validate_key
 from .._core.renewal import Renewal, ThreadRenewal
 from ..errors import (
     CorruptRecordError,
@@ -43,6 +44,7 @@ from ..guard import AsyncHandle, Handle
 from .fingerprint import canonical_parts
 from .keys import KEY_HEADER, Header, parse_key
 from .options import HttpSettings
+from .per_route import KeyHook, Routed, RouteRule
 from .principals import NO_RESOLVER
 from .problems import problem, problem_for
 from .response import HttpResponse, UnkeptResponse
@@ -51,6 +53,7 @@ from .stored_text import MAX_STORED_TEXT, stored_text
 
 __all__ = [
     "READ_HEADERS",
+    "Admission",
     "AsyncRun",
     "Incoming",
     "Lifecycle",
@@ -117,6 +120,17 @@ class Incoming:
 
 
 @dataclass(frozen=True, slots=True)
+class Admission:
+    """A request `Lifecycle.admit` guards: its operation, and its key (None when ``hook``,
+    the ``key_from`` of its route or middleware, reads it once the body is read)."""
+
+    operation: str
+    key: str | None
+    hook: KeyHook | None
+    required: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Unguarded:
     """Run the request without idempotency: no key and none required, or the store is down
     and the middleware fails open. ``body`` is what was already read of the request."""
@@ -144,7 +158,61 @@ class Lifecycle:
             exc,
             max_retry_after=settings.max_retry_after,
             store_retry_after=settings.store_retry_after,
+            in_progress_status=settings.in_progress_status,
+            mismatch_status=settings.mismatch_status,
         )
+
+    def admit(
+        self, raw: Any, method: str, path: str, named: Mapping[bytes, Sequence[bytes]]
+    ) -> Admission | HttpResponse | None:
+        """Whether a request of a guarded method is guarded, before its body is read: its
+        `Admission` (its operation, and its key unless a ``key_from`` hook reads it from the
+        body); the 400 to answer (no key, or a malformed one); or None to pass it through
+        untouched (an excluded path, a route marked `not_idempotent`, no route at all, or no
+        key where none is required)."""
+        settings = self.settings
+        paths = settings.paths
+        if not paths.everything and not paths.guards(path):
+            return None
+        operation, rule = self.route(raw, method, path)
+        if operation is None:
+            return None  # no route matches: the router answers (404, 405), nothing is stored
+        required, hook = settings.require_key, settings.key_from
+        if rule is not None:
+            if not rule.guarded:
+                return None
+            if rule.require_key is not None:
+                required = rule.require_key
+            hook = rule.key_from or hook
+        if hook is not None:
+            return Admission(operation, None, hook, required)
+        values = named.get(settings.key_header, ())
+        try:
+            key = parse_key(values)
+        except IdempotencyError as exc:
+            return self.problem(exc)
+        if key is None:
+            if required:
+                return self.problem(MissingKeyError(header=settings.key_header_name))
+            return None
+        return Admission(operation, key, None, required)
+
+    def hooked_key(self, admission: Admission, request: Request) -> str | HttpResponse | None:
+        """The key an `Admission`'s ``key_from`` hook finds in the whole request, the 400 to
+        answer, or None to run it unguarded (no key, none required)."""
+        assert admission.hook is not None
+        try:
+            found = admission.hook(request)
+            if found is not None:
+                return validate_key(found)
+            if admission.required:
+                raise MissingKeyError(
+                    "this endpoint requires an idempotency key, and none was found in the request",
+                    header=self.settings.key_header_name,
+                )
+        except IdempotencyError as exc:
+            return self.problem(exc)
+        return None
 
     def key(
         self, named: Mapping[bytes, Sequence[bytes]] | Sequence[bytes]
@@ -309,16 +377,25 @@ class Lifecycle:
         one with a NUL, non-ASCII or over 256 characters). None when the hook answered
         `NO_ROUTE`: the app's router answers the request (404, 405) before any endpoint
         runs, so the adapter passes it through unguarded and stores nothing."""
+        return self.route(request.raw, request.method, request.path)[0]
+
+    def route(self, raw: Any, method: str, path: str) -> tuple[str | None, RouteRule | None]:
+        """The request's `operation`, and the rule its route was marked with (`RouteRule`),
+        both from one call of the route-template hook."""
+        routes = self.routes
+        found = routes(raw) if routes is not None else None
+        rule = None
+        if isinstance(found, Routed):
+            rule = found.rule
+            found = found.template
         resolver = self.settings.operation
         if resolver is not None:
-            operation = resolver(request.raw)
+            operation = resolver(raw)
             if operation is not None:
-                return operation
-        routes = self.routes
-        found = routes(request.raw) if routes is not None else None
+                return operation, rule
         if found is None:
-            return f"{request.method} {stored_text(request.path)}"
-        return None if found is NO_ROUTE else f"{request.method} {found}"
+            return f"{method} {stored_text(path)}", rule
+        return (None if found is NO_ROUTE else f"{method} {found}"), rule
 
     def begin(
         self, key: str, request: Request, principal: str, conn: Any, operation: str | None = None

@@ -26,6 +26,7 @@ from ..stores import AsyncStore, open_async_store, open_store
 from ..stores.base import AsyncTransactionalStore, Mode, Store, TransactionalStore
 from .codec import Classifier, HttpCodec, classify_status
 from .fingerprint import DEFAULT_FINGERPRINT_FIELDS, FingerprintField
+from .per_route import KeyHook, PathRules
 from .principals import Principals
 
 __all__ = [
@@ -61,10 +62,18 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
         reveal_keys: with ``store``: events and log lines carry raw keys (default: digests).
         methods: the guarded methods (POST and PATCH); others pass through untouched.
         require_key: answer 400 to a guarded request without a key; if False such a request
-            passes through without idempotency.
+            passes through without idempotency. A route may say otherwise
+            (`idempo.http.idempotent`).
+        include: shell-style path patterns (``/api/*``; ``*`` crosses ``/``): only
+            requests whose path matches one are guarded. Default: every path.
+        exclude: path patterns never guarded (``/login``, ``/webhooks/*``), even when
+            included. A route may opt out itself (`idempo.http.not_idempotent`).
         key_header: the request header the key is read from (``Idempotency-Key``): another
             API's name (``X-Idempotency-Key``, ``PayPal-Request-Id``) or a webhook sender's
             delivery id (``X-GitHub-Delivery``), so its redeliveries are deduplicated.
+        key_from: where the key comes from instead of a header: ``request -> key | None``,
+            called with the whole request once its body is read (`idempo.http.json_field`
+            for Stripe's ``event.id``); None is no key. A route may have its own.
         principal: who asked, from the request. A string is the principal (``""``:
             anonymous); None means the resolver cannot tell, and the request is refused with
             401 ``principal-required`` unless ``allow_anonymous``. Without a resolver: the
@@ -89,6 +98,11 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
         classify: which statuses are stored (COMPLETED/FAILED) and which release the key
             (None); defaults to SPEC §2 rule 7.
         max_retry_after: the most a 409's ``Retry-After`` says, in seconds.
+        in_progress_status: the answer to a duplicate of a request still running: 409
+            Conflict (default) or 202 Accepted, both with ``Retry-After`` and the
+            ``request-in-progress`` problem.
+        mismatch_status: the answer to a key reused with another request: 422 (default) or
+            409 Conflict, both with the ``fingerprint-mismatch`` problem.
         store_retry_after: ``Retry-After`` of a 503, in seconds.
         connection: opens the app's database connection for one request (a context manager
             factory: SQLAlchemy's ``engine.connect`` or session factory, a psycopg pool's
@@ -109,7 +123,10 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
     reveal_keys: bool
     methods: Collection[str]
     require_key: bool
+    include: Collection[str]
+    exclude: Collection[str]
     key_header: str
+    key_from: Callable[[Any], str | None] | None
     principal: Callable[[RequestT], str | None] | None
     allow_anonymous: bool
     operation: Callable[[RequestT], str | None] | None
@@ -122,6 +139,8 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
     fail_open: bool
     classify: Classifier
     max_retry_after: int
+    in_progress_status: int
+    mismatch_status: int
     store_retry_after: int
     connection: Any
     mode: Mode
@@ -154,6 +173,8 @@ class HttpSettings:
         self.max_request_bytes: int = get("max_request_bytes", DEFAULT_BODY_LIMIT)
         self.max_response_bytes: int = get("max_response_bytes", DEFAULT_BODY_LIMIT)
         self.max_retry_after: int = get("max_retry_after", 5)
+        self.in_progress_status: int = get("in_progress_status", 409)
+        self.mismatch_status: int = get("mismatch_status", 422)
         self.store_retry_after: int = get("store_retry_after", 5)
         self.fingerprint_fields: tuple[FingerprintField, ...] = tuple(
             get("fingerprint_fields", DEFAULT_FINGERPRINT_FIELDS)
@@ -164,6 +185,8 @@ class HttpSettings:
             max_retry_after=self.max_retry_after,
             store_retry_after=self.store_retry_after,
             fingerprint_fields=self.fingerprint_fields,
+            in_progress_status=self.in_progress_status,
+            mismatch_status=self.mismatch_status,
         )
         make = _async_guard if asynchronous else _sync_guard
         self.idempotency: Any = make(options, self, owner)
@@ -171,6 +194,11 @@ class HttpSettings:
         self.require_key: bool = get("require_key", True)
         self.key_header_name: str = get("key_header", "Idempotency-Key")
         self.key_header: bytes = _header_name(self.key_header_name)
+        self.key_from: KeyHook | None = get("key_from")
+        try:
+            self.paths = PathRules(get("include", ()), get("exclude", ()))
+        except ValueError as exc:
+            raise ConfigurationError(f"{owner}: {exc}") from None
         self.principal: Callable[[Any], str | None] | None = get("principal")
         self.principals = Principals(allow_anonymous=get("allow_anonymous", False), owner=owner)
         self.operation: Callable[[Any], str | None] | None = get("operation")
@@ -236,13 +264,19 @@ def check_options(
     max_retry_after: int,
     store_retry_after: int,
     fingerprint_fields: Collection[str],
+    in_progress_status: int = 409,
+    mismatch_status: int = 422,
 ) -> None:
     """Refuse impossible middleware options when the middleware is made, not per request.
 
     Raises:
-        ConfigurationError: a negative size limit, a Retry-After under 1 s, or an unknown
-            fingerprint field.
+        ConfigurationError: a negative size limit, a Retry-After under 1 s, an unknown
+            fingerprint field, or an answer status neither convention uses.
     """
+    if in_progress_status not in (409, 202):
+        raise ConfigurationError(f"in_progress_status is 409 or 202, not {in_progress_status!r}")
+    if mismatch_status not in (422, 409):
+        raise ConfigurationError(f"mismatch_status is 422 or 409, not {mismatch_status!r}")
     if max_request_bytes < 0 or max_response_bytes < 0:
         raise ConfigurationError("max_request_bytes and max_response_bytes cannot be negative")
     if max_retry_after < 1 or store_retry_after < 1:

@@ -62,7 +62,12 @@ def _retry_after(seconds: float) -> Header:
 
 
 def problem_for(
-    exc: IdempotencyError, *, max_retry_after: int = 5, store_retry_after: int = 5
+    exc: IdempotencyError,
+    *,
+    max_retry_after: int = 5,
+    store_retry_after: int = 5,
+    in_progress_status: int = 409,
+    mismatch_status: int = 422,
 ) -> HttpResponse:
     """The problem response for one of idempo's refusals.
 
@@ -72,6 +77,12 @@ def problem_for(
             later: the first request is usually done long before its lease ends, and asking
             again costs one index lookup.
         store_retry_after: ``Retry-After`` for a 503 when the store is unreachable.
+        in_progress_status: 409 (default) or 202 for a request still in progress (SPEC §4's
+            two conventions).
+        mismatch_status: 422 (default) or 409 for a key reused with another request.
+
+    >>> problem_for(RequestInProgressError("k", retry_after=2), in_progress_status=202).status
+    202
     """
     match exc:
         case MissingKeyError(header=header):
@@ -90,7 +101,7 @@ def problem_for(
             return problem(413, "request-too-large", "Request body too large", str(exc))
         case FingerprintMismatchError():
             return problem(
-                422,
+                mismatch_status,
                 "fingerprint-mismatch",
                 "Idempotency key reused with a different request",
                 "This Idempotency-Key was already used with a different request (method, "
@@ -98,7 +109,7 @@ def problem_for(
             )
         case RequestInProgressError(retry_after=retry_after):
             return problem(
-                409,
+                in_progress_status,
                 "request-in-progress",
                 "Request in progress",
                 "A request with this Idempotency-Key is still being processed. Retry later "

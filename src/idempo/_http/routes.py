@@ -18,6 +18,8 @@ import enum
 from collections.abc import Callable, MutableMapping
 from typing import Any, Final, Literal, TypeVar
 
+from .per_route import Routed, RouteRule, rule_of
+
 __all__ = [
     "NO_ROUTE",
     "FlaskRoutes",
@@ -43,11 +45,11 @@ is sure of it (the router will answer 404 or 405 itself): the adapter passes the
 through unguarded and stores nothing (SPEC §2 rule 7, an answer given before the endpoint
 ran). A hook that cannot be sure answers None: the request is guarded under its path."""
 
-RouteTemplate = Callable[[Any], "str | Literal[NoRoute.NO_ROUTE] | None"]
+RouteTemplate = Callable[[Any], "str | Routed | Literal[NoRoute.NO_ROUTE] | None"]
 """The hook: what a request's route template is, None when it has none, `NO_ROUTE` when
-no route matches it."""
+no route matches it; `Routed` when the route was marked with a rule (`idempotent`)."""
 
-Template = str | Literal[NoRoute.NO_ROUTE] | None
+Template = str | Routed | Literal[NoRoute.NO_ROUTE] | None
 
 Scope = MutableMapping[str, Any]
 Environ = dict[str, Any]
@@ -71,6 +73,8 @@ def flask_route_template(flask_app: Any, environ: Environ) -> str | None:
     replay another endpoint's answer.
     """
     found = _flask_rule(flask_app, environ)
+    if isinstance(found, Routed):
+        return found.template
     return None if found is NO_ROUTE else found
 
 
@@ -82,7 +86,10 @@ def _flask_rule(flask_app: Any, environ: Environ) -> Template:
         unrouted = type(exc).__name__ in ("NotFound", "MethodNotAllowed")
         return NO_ROUTE if unrouted else None
     template = getattr(rule, "rule", None)
-    return template if isinstance(template, str) else None
+    template = template if isinstance(template, str) else None
+    views = getattr(flask_app, "view_functions", None)
+    marked = rule_of(views.get(getattr(rule, "endpoint", None))) if views else None
+    return template if marked is None else Routed(template, marked)
 
 
 def route_template(app: Any, scope: Scope) -> str | None:
@@ -95,14 +102,38 @@ def route_template(app: Any, scope: Scope) -> str | None:
     searched too. Found by duck typing, so idempo imports no framework. None (use the raw
     path) is always safe: more operations never replay another endpoint's answer.
     """
+    found = _routed(app, scope)
+    return found.template if isinstance(found, Routed) else found
+
+
+def _routed(app: Any, scope: Scope) -> str | Routed | None:
+    """`route_template`, as a `Routed` when the route's endpoint was marked with a rule."""
     routed = scope.get("path_template")
     if isinstance(routed, str) and routed:
-        return routed
+        # Litestar: the handler's ``opt`` (``opt={"idempotency": ...}``) or its function.
+        handler = scope.get("route_handler")
+        rule = _litestar_rule(handler) if handler is not None else None
+        return routed if rule is None else Routed(routed, rule)
     routes = _routes(app)
     if not routes:
         return None
     found = _match(routes, dict(scope), "")
-    return None if found is None else found[1]
+    return None if found is None else _with_rule(found)
+
+
+def _with_rule(found: Found) -> str | Routed | None:
+    _, template, rule = found
+    return template if rule is None else Routed(template, rule)
+
+
+def _litestar_rule(handler: Any) -> RouteRule | None:
+    opt = getattr(handler, "opt", None)
+    given = opt.get("idempotency") if isinstance(opt, dict) else None
+    if isinstance(given, RouteRule):
+        return given
+    if given is not None:
+        return rule_of(given)  # a view marked with `idempotent`, or the decorator's result
+    return rule_of(getattr(handler, "fn", None))
 
 
 def _template(app: Any, scope: Scope) -> Template:
@@ -112,7 +143,7 @@ def _template(app: Any, scope: Scope) -> Template:
     found = _match(_routes(app), dict(scope), "")
     if found is None or found[0] != _FULL:
         return NO_ROUTE
-    return found[1]
+    return _with_rule(found)
 
 
 def _routes(app: Any) -> Any:
@@ -188,13 +219,13 @@ class StarletteRoutes:
         if routes is None:
             routes = _routes(app)
         if not routes or "path_template" in scope:
-            return route_template(app, scope)
+            return _routed(app, scope)
         known_app, known_routes, count, known = self._state
         if app is not known_app or routes is not known_routes or len(routes) != count:
             known = {} if _decided_by_path(routes) else None
             self._state = (app, routes, len(routes), known)
         if known is None:
-            return route_template(app, scope)
+            return _routed(app, scope)
         where = (scope["method"], scope.get("root_path", ""), scope["path"])
         try:
             return known[where]
@@ -211,11 +242,15 @@ class StarletteRoutes:
 # answer 405, under the same template), NONE.
 _FULL, _PARTIAL = "FULL", "PARTIAL"
 
+Found = tuple[str, str | None, "RouteRule | None"]
+"""How a route matched: FULL or PARTIAL, its template, the rule its endpoint was marked
+with."""
 
-def _match(routes: Any, scope: dict[str, Any], prefix: str) -> tuple[str, str | None] | None:
-    """How ``routes`` match: (FULL or PARTIAL, the template), None when none does."""
+
+def _match(routes: Any, scope: dict[str, Any], prefix: str) -> Found | None:
+    """How ``routes`` match (`Found`), None when none does."""
     # Starlette's Router takes the first FULL match, else the first PARTIAL one.
-    partial: tuple[str, str | None] | None = None
+    partial: Found | None = None
     for route in routes:
         found = _try(route, scope, prefix)
         if found is None:
@@ -227,8 +262,8 @@ def _match(routes: Any, scope: dict[str, Any], prefix: str) -> tuple[str, str | 
     return partial
 
 
-def _try(route: Any, scope: dict[str, Any], prefix: str) -> tuple[str, str | None] | None:
-    """How one route matches: (FULL or PARTIAL, its template), or None."""
+def _try(route: Any, scope: dict[str, Any], prefix: str) -> Found | None:
+    """How one route matches (`Found`), or None."""
     contexts = getattr(route, "effective_route_contexts", None)
     if callable(contexts):
         # FastAPI's included router: its routes as included (prefix applied), not as written.
@@ -245,20 +280,33 @@ def _try(route: Any, scope: dict[str, Any], prefix: str) -> tuple[str, str | Non
         return None
     path = prefix + str(getattr(route, "path", ""))
     if not hasattr(route, "routes"):
-        return kind, path
+        return kind, path, _endpoint_rule(route)
     # A Mount: its own routes decide. A mounted app we cannot see into has no template.
     inner = getattr(route, "routes", None)
     if not inner:
-        return kind, None
+        return kind, None, None
     found = _match(inner, {**scope, **dict(child or {})}, path)
     # The mount's own router answers a path none of its routes matches (404).
-    return None if found is None else (_PARTIAL if kind == _PARTIAL else found[0], found[1])
+    if found is None:
+        return None
+    return (_PARTIAL if kind == _PARTIAL else found[0]), found[1], found[2]
 
 
-def _try_contexts(
-    contexts: Any, scope: dict[str, Any], prefix: str
-) -> tuple[str, str | None] | None:
-    partial: tuple[str, str | None] | None = None
+def _endpoint_rule(route: Any) -> RouteRule | None:
+    """The rule a Starlette or FastAPI route's endpoint was marked with, or one of its
+    FastAPI ``dependencies=`` (`idempo.contrib.fastapi.Idempotent`)."""
+    rule = rule_of(getattr(route, "endpoint", None))
+    if rule is not None:
+        return rule
+    for depends in getattr(route, "dependencies", None) or ():
+        rule = rule_of(getattr(depends, "dependency", None))
+        if rule is not None:
+            return rule
+    return None
+
+
+def _try_contexts(contexts: Any, scope: dict[str, Any], prefix: str) -> Found | None:
+    partial: Found | None = None
     for context in contexts:
         rewritten = getattr(context, "starlette_route", None)
         if rewritten is not None:
@@ -273,14 +321,14 @@ def _try_contexts(
     return partial
 
 
-def _try_path_regex(route: Any, scope: dict[str, Any], prefix: str) -> tuple[str, str] | None:
+def _try_path_regex(route: Any, scope: dict[str, Any], prefix: str) -> Found | None:
     regex = getattr(route, "path_regex", None)
     template = getattr(route, "path_format", None)
     if regex is None or not isinstance(template, str) or not regex.match(_route_path(scope)):
         return None
     methods = getattr(route, "methods", None)
     kind = _FULL if not methods or scope.get("method") in methods else _PARTIAL
-    return kind, prefix + template
+    return kind, prefix + template, _endpoint_rule(route)
 
 
 def _route_path(scope: dict[str, Any]) -> str:

@@ -41,7 +41,7 @@ class IdempotencyMiddleware(http.ShowsOptions):
 
     def __init__(self, **options: Unpack[http.HttpOptions[web.Request]]) -> None:
         self.settings = http.HttpSettings(options, owner=type(self).__name__, asynchronous=True)
-        self.lifecycle = http.Lifecycle(self.settings, self.settings.routes or route_template)
+        self.lifecycle = http.Lifecycle(self.settings, self.settings.routes or _routed)
         self.idempotency = self.settings.idempotency
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -50,11 +50,11 @@ class IdempotencyMiddleware(http.ShowsOptions):
             return await handler(request)
         headers: list[http.Header] = [(name.lower(), value) for name, value in request.raw_headers]
         named = http.headers_named(headers, lifecycle.read_headers)
-        key = lifecycle.key(named)
-        if key is None or request.match_info.http_exception is not None:
+        admission = lifecycle.admit(request, request.method, request.path, named)
+        if admission is None or request.match_info.http_exception is not None:
             return await handler(request)  # unguarded, or answered before any endpoint ran
-        if isinstance(key, http.HttpResponse):
-            return _to_aiohttp(key)
+        if isinstance(admission, http.HttpResponse):
+            return _to_aiohttp(admission)
         if lifecycle.declared_too_large(named.get(b"content-length")):
             return _to_aiohttp(lifecycle.too_large())
         try:  # read once: aiohttp keeps the bytes for the handler's read(), json(), text()
@@ -68,8 +68,13 @@ class IdempotencyMiddleware(http.ShowsOptions):
         incoming = http.Incoming(
             request, request.method, request.path, query, headers, named, body, user
         )
+        key = admission.key or lifecycle.hooked_key(admission, incoming)
+        if key is None:
+            return await handler(request)  # the key_from hook found none: none required
+        if isinstance(key, http.HttpResponse):
+            return _to_aiohttp(key)
         async with AsyncExitStack() as stack:
-            outcome = await http.areserve(lifecycle, stack, key, incoming)
+            outcome = await http.areserve(lifecycle, stack, key, incoming, admission.operation)
             if isinstance(outcome, http.HttpResponse):
                 return _to_aiohttp(outcome)
             if isinstance(outcome, http.Unguarded):
@@ -115,6 +120,14 @@ def route_template(request: web.Request) -> str | None:
     """The template of the resource the request matched (``/payments/{id}``), or None."""
     resource = request.match_info.route.resource
     return None if resource is None else resource.canonical
+
+
+def _routed(request: web.Request) -> str | http.Routed | None:
+    """The default hook: `route_template`, with the rule a handler was marked with
+    (`idempo.http.idempotent`, `idempo.http.not_idempotent`)."""
+    template = route_template(request)
+    rule = http.rule_of(request.match_info.handler)
+    return template if rule is None else http.Routed(template, rule)
 
 
 def idempotent_connection(request: web.Request) -> Any:

@@ -28,20 +28,27 @@ from django.utils.module_loading import import_string
 from .._http.keys import Header, headers_named
 from .._http.lifecycle import Incoming, Lifecycle, Run, Unguarded, reserve
 from .._http.options import OPTION_NAMES, HttpSettings, ShowsOptions
+from .._http.per_route import Routed, idempotent, not_idempotent, rule_of
 from .._http.response import HttpResponse as StoredResponse
 from .._http.routes import NO_ROUTE, NoRoute
 from ..errors import ConfigurationError, StoreUnavailableError
 from ..guard import Attempt
 from ..wsgi import request_headers
 
-__all__ = ["IdempotencyMiddleware", "current_attempt", "route_template"]
+__all__ = [
+    "IdempotencyMiddleware",
+    "current_attempt",
+    "idempotent",
+    "not_idempotent",
+    "route_template",
+]
 
 _ATTEMPT = "idempo_attempt"  # the request attribute a guarded request's attempt is put in
 
 # The IDEMPO setting's keys are the middlewares' options (HttpOptions) in upper case.
 _OPTIONS = {name.upper(): name for name in OPTION_NAMES}
 # Callables that may be given as dotted paths ("myapp.idem.principal").
-_CALLABLES = ("PRINCIPAL", "OPERATION", "CLASSIFY", "ROUTES")
+_CALLABLES = ("PRINCIPAL", "OPERATION", "CLASSIFY", "ROUTES", "KEY_FROM")
 
 
 class IdempotencyMiddleware(ShowsOptions):
@@ -109,11 +116,11 @@ class IdempotencyMiddleware(ShowsOptions):
             return self.get_response(request)
         headers = request_headers(request.META)
         named = headers_named(headers, lifecycle.read_headers)
-        key = lifecycle.key(named)
-        if key is None:
-            return self.get_response(request)
-        if isinstance(key, StoredResponse):
-            return _to_django(key)
+        admission = lifecycle.admit(request, method, request.path, named)
+        if admission is None:
+            return self.get_response(request)  # not guarded (or no URL pattern matches)
+        if isinstance(admission, StoredResponse):
+            return _to_django(admission)
         if lifecycle.declared_too_large(named.get(b"content-length")):
             return _to_django(lifecycle.too_large())
         # Django reads the body once and keeps it, so the view reads the same bytes; under
@@ -124,9 +131,12 @@ class IdempotencyMiddleware(ShowsOptions):
         query = str(request.META.get("QUERY_STRING", "")).encode("latin-1")
         user = lambda: getattr(request, "user", None)  # noqa: E731
         incoming = Incoming(request, method, request.path, query, headers, named, body, user)
-        operation = lifecycle.operation(incoming)
-        if operation is None:
-            return self.get_response(request)  # no URL pattern matches: Django answers 404
+        key = admission.key or lifecycle.hooked_key(admission, incoming)
+        if key is None:
+            return self.get_response(request)  # the hook found no key: none required
+        if isinstance(key, StoredResponse):
+            return _to_django(key)
+        operation = admission.operation
         outcome = reserve(lifecycle, key, incoming, operation)
         if isinstance(outcome, StoredResponse):
             return _to_django(outcome)
@@ -151,14 +161,17 @@ def _atomic(alias: Any) -> Callable[[], Any]:
     return atomic
 
 
-def _routed(request: HttpRequest) -> str | NoRoute | None:
-    """The default hook: `route_template`, `NO_ROUTE` when no URL pattern matches."""
+def _routed(request: HttpRequest) -> str | Routed | NoRoute | None:
+    """The default hook: `route_template` (a `Routed` for a view marked `idempotent` or
+    `not_idempotent`), `NO_ROUTE` when no URL pattern matches."""
     try:
         match = resolve(request.path_info, getattr(request, "urlconf", None))
     except Resolver404:
         return NO_ROUTE
     route = getattr(match, "route", None)
-    return route if isinstance(route, str) and route else None
+    template = route if isinstance(route, str) and route else None
+    rule = rule_of(match.func)
+    return template if rule is None else Routed(template, rule)
 
 
 def route_template(request: HttpRequest) -> str | None:
@@ -169,6 +182,8 @@ def route_template(request: HttpRequest) -> str | None:
     replay another endpoint's answer.
     """
     found = _routed(request)
+    if isinstance(found, Routed):
+        return found.template
     return None if found is NO_ROUTE else found
 
 
