@@ -17,6 +17,7 @@ in ``idempo.client.retry``; the two transports below only carry them out.
 from __future__ import annotations
 
 import inspect
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -97,14 +98,16 @@ class _Run:
             extensions=extensions,
         )
 
-    def answered(self, response: httpx.Response) -> None:
+    def answered(self, response: httpx.Response, raw: bytes | None = None) -> None:
         self._last = response
+        headers = response.headers
         retry_after = parse_retry_after(
-            response.headers.get("Retry-After"),
-            date=response.headers.get("Date"),
-            now=self.policy.wall_clock,
+            headers.get("Retry-After"), date=headers.get("Date"), now=self.policy.wall_clock
         )
-        self._outcome = Answer(response.status_code, retry_after)
+        problem = None
+        if raw is not None and headers.get("content-type", "").startswith(_PROBLEM_JSON):
+            problem = _problem_type(response, raw)
+        self._outcome = Answer(response.status_code, retry_after, problem)
 
     def failed(self, exc: Exception) -> None:
         self._last = exc
@@ -124,6 +127,20 @@ class _Run:
         last.extensions[KEY_EXTENSION] = self.key
         last.extensions[ATTEMPTS_EXTENSION] = self.attempts
         return last
+
+
+_PROBLEM_JSON = "application/problem+json"
+
+
+def _problem_type(response: httpx.Response, raw: bytes) -> str | None:
+    """The ``type`` of a problem answer (RFC 9457), read from its raw bytes (decoded as the
+    client will decode them); None when it has none."""
+    try:
+        decoded = httpx.Response(200, headers=response.headers, content=raw).read()
+        found = json.loads(decoded).get("type")
+    except (ValueError, AttributeError, httpx.DecodingError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def _in_memory(response: httpx.Response, raw: bytes) -> httpx.Response:
@@ -204,6 +221,7 @@ class IdempotentTransport(httpx.BaseTransport):
                 continue
             try:
                 response = self.transport.handle_request(step)
+                raw = None
                 if not response.is_stream_consumed:
                     try:
                         raw = b"".join(response.iter_raw())
@@ -213,7 +231,7 @@ class IdempotentTransport(httpx.BaseTransport):
             except Exception as exc:  # noqa: BLE001 - the policy decides which errors are transient
                 run.failed(exc)
             else:
-                run.answered(response)
+                run.answered(response, raw)
         return run.result()
 
     def close(self) -> None:
@@ -249,6 +267,7 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
                 continue
             try:
                 response = await self.transport.handle_async_request(step)
+                raw = None
                 if not response.is_stream_consumed:
                     try:
                         raw = b"".join([chunk async for chunk in response.aiter_raw()])
@@ -258,7 +277,7 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
             except Exception as exc:  # noqa: BLE001 - the policy decides which errors are transient
                 run.failed(exc)
             else:
-                run.answered(response)
+                run.answered(response, raw)
         return run.result()
 
     async def aclose(self) -> None:

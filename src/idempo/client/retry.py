@@ -30,6 +30,12 @@ __all__ = ["RetryPolicy"]
 # Statuses no policy may retry: with the same key the server can only answer them again.
 NEVER_RETRIED = frozenset({400, 422})
 
+# The problem types (RFC 9457) that say what an answer means whatever its status, for servers
+# on either convention of SPEC §4: "in progress" as 409 or 202, "same key, another request"
+# as 422 or 409.
+IN_PROGRESS_PROBLEM = "urn:idempo:problem:request-in-progress"
+MISMATCH_PROBLEM = "urn:idempo:problem:fingerprint-mismatch"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RetryPolicy:
@@ -46,6 +52,9 @@ class RetryPolicy:
             the same key can only get the same answer.
         retry_after_required: statuses retried only when they carry ``Retry-After``: a 409
             with one is idempo's "in progress"; without one it is the app's own conflict.
+            Whatever the statuses, an idempo ``request-in-progress`` problem (409, or 202
+            from a server that answers "in progress" with 202 Accepted) is retried, and a
+            ``fingerprint-mismatch`` one (422, or 409) never is.
         max_retry_after: a longer ``Retry-After`` ends the retries; the answer is returned.
         retry_errors: exception types that are transient. None: the transport's own set
             (for httpx: timeouts, network errors, a connection closed without an answer).
@@ -121,6 +130,7 @@ class Wait:
 class Answer:
     status: int
     retry_after: float | None = None
+    problem: str | None = None  # the ``type`` of an application/problem+json answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +165,14 @@ def next_delay(policy: RetryPolicy, outcome: Answer | Error | None, retries: int
     match outcome:
         case Error(transient=True):
             return backoff(policy, retries)
+        case Answer(problem=problem) if problem == MISMATCH_PROBLEM:
+            return None
+        case Answer(status=202, retry_after=retry_after, problem=problem) if (
+            problem == IN_PROGRESS_PROBLEM
+        ):
+            if retry_after is None:
+                return backoff(policy, retries)
+            return retry_after if retry_after <= policy.max_retry_after else None
         case Answer(status, retry_after) if status in policy.retry_statuses:
             if retry_after is not None:
                 return retry_after if retry_after <= policy.max_retry_after else None
