@@ -464,12 +464,12 @@ def test_every_block_is_accounted_for() -> None:
 
 def test_the_adapter_the_extending_page_quotes_is_as_short_as_it_says() -> None:
     """docs/extending.md quotes idempo.contrib.aiohttp step by step (the fragments above check
-    each quote) and calls it "the whole adapter ... in under 150 lines"."""
+    each quote) and calls it "the whole adapter ... in about 150 lines"."""
     page = (ROOT / "docs" / "extending.md").read_text()
     quotes = page.count("# fragment of src/idempo/contrib/aiohttp.py")
     assert quotes >= 4
-    assert "in under 150 lines" in page
-    assert len((ROOT / "src/idempo/contrib/aiohttp.py").read_text().splitlines()) < 150
+    assert "in about 150 lines" in page
+    assert len((ROOT / "src/idempo/contrib/aiohttp.py").read_text().splitlines()) <= 160
 
 
 PAYMENTS = (

@@ -1,14 +1,15 @@
 """The HTTP lifecycle for framework adapters: what idempo's own middlewares are written on.
 
-An adapter translates its framework's request into an `Incoming`, asks `Lifecycle` for the
-key, lets `reserve` (thread-per-request servers) or `areserve` (asyncio) reserve it, runs
-the handler and settles the `Run` / `AsyncRun` with the whole response. Every option is one
+An adapter asks `Lifecycle` whether a request is guarded and under which key
+(`Lifecycle.admit`), translates it into an `Incoming`, lets `reserve` (thread-per-request
+servers) or `areserve` (asyncio) reserve it, runs the handler and settles the `Run` /
+`AsyncRun` with the whole response. Every option is one
 of `HttpOptions`; `HttpSettings` checks them. docs/extending.md, "Writing a framework
 adapter", walks through `idempo.contrib.aiohttp` as the worked example::
 
     lifecycle = Lifecycle(HttpSettings(options, owner="Mine", asynchronous=True), routes)
     named = headers_named(headers, lifecycle.read_headers)
-    key = lifecycle.key(named)    # str, an HttpResponse (400), None
+    admission = lifecycle.admit(raw, method, path, named)  # Admission, HttpResponse (400), None
 """
 
 from __future__ import annotations

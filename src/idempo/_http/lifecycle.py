@@ -9,9 +9,10 @@ request, calls the face, runs its app and hands the whole response to ``run.sett
 
     lifecycle = Lifecycle(HttpSettings(options, owner="Mine", asynchronous=True), routes)
     named = headers_named(headers, lifecycle.read_headers)
-    key = lifecycle.key(named)                         # str, a 400 to send, or None
+    admission = lifecycle.admit(raw, method, path, named)  # an Admission, a 400, or None
     request = Incoming(raw, method, path, query, headers, named, body, user)
-    outcome = await areserve(lifecycle, stack, key, request)
+    key = admission.key or lifecycle.hooked_key(admission, request)
+    outcome = await areserve(lifecycle, stack, key, request, admission.operation)
     # an HttpResponse to send (replay, refusal), Unguarded (fail open), or an AsyncRun:
     response = await app(...)
     if not await outcome.settle(response):
@@ -213,23 +214,6 @@ class Lifecycle:
         except IdempotencyError as exc:
             return self.problem(exc)
         return None
-
-    def key(
-        self, named: Mapping[bytes, Sequence[bytes]] | Sequence[bytes]
-    ) -> str | HttpResponse | None:
-        """The request's key from the values of its key header (``Idempotency-Key``, or the
-        ``key_header`` option's) among ``named`` (`read_headers` as `headers_named` found
-        them); or the 400 to answer; or None: no key and none required, so the request runs
-        unguarded. Given the header's values themselves (what an adapter written before
-        ``key_header`` passes), they are taken as they are."""
-        values = named.get(self.settings.key_header, ()) if isinstance(named, Mapping) else named
-        try:
-            key = parse_key(values)
-            if key is None and self.settings.require_key:
-                raise MissingKeyError(header=self.settings.key_header_name)
-        except IdempotencyError as exc:
-            return self.problem(exc)
-        return key
 
     def declared_too_large(self, content_length: Sequence[bytes] | None) -> bool:
         """Whether a declared ``Content-Length`` is over the limit (413 before reading)."""

@@ -123,10 +123,8 @@ def route_template(request: web.Request) -> str | None:
 
 
 def _routed(request: web.Request) -> str | http.Routed | None:
-    """The default hook: `route_template`, with the rule a handler was marked with
-    (`idempo.http.idempotent`, `idempo.http.not_idempotent`)."""
-    template = route_template(request)
-    rule = http.rule_of(request.match_info.handler)
+    """The default hook: `route_template`, and the rule the handler was marked with."""
+    template, rule = route_template(request), http.rule_of(request.match_info.handler)
     return template if rule is None else http.Routed(template, rule)
 
 
