@@ -120,7 +120,7 @@ class Incoming:
     user: Callable[[], Any]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per request, and frozen costs its __init__
 class Admission:
     """A request `Lifecycle.admit` guards: its operation, and its key (None when ``hook``,
     the ``key_from`` of its route or middleware, reads it once the body is read)."""
