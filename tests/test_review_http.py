@@ -343,3 +343,72 @@ async def test_an_apps_own_early_refusal_can_say_so() -> None:
     assert (refused.status_code, allowed.status_code, again.status_code) == (403, 201, 201)
     assert again.headers.get("idempotent-replayed") == "true"
     assert len(runs) == 1
+
+
+def authed_fastapi_app(runs: list[str], *, outer: bool, sync: bool) -> Any:
+    """An auth dependency (sync or async, so in a thread or not) that refuses with its own
+    401, and an endpoint (the same) that may refuse with its own 403."""
+
+    async def async_user(authorization: str | None = fastapi.Header(None)) -> str:
+        if authorization != "Bearer ok":
+            raise fastapi.HTTPException(status_code=401, detail="who are you?")
+        return "ada"
+
+    def sync_user(authorization: str | None = fastapi.Header(None)) -> str:
+        if authorization != "Bearer ok":
+            raise fastapi.HTTPException(status_code=401, detail="who are you?")
+        return "ada"
+
+    user_dependency = sync_user if sync else async_user
+
+    def refuse(order: Order) -> None:
+        if order.amount > 100:
+            raise fastapi.HTTPException(status_code=403, detail="over your limit")
+
+    app = fastapi.FastAPI()
+    if sync:
+
+        @app.post("/orders", status_code=201)
+        def create_sync(order: Order, user: str = fastapi.Depends(user_dependency)) -> Any:
+            refuse(order)  # in a helper the endpoint calls: still the endpoint's answer
+            runs.append(user)
+            return {"amount": order.amount}
+    else:
+
+        @app.post("/orders", status_code=201)
+        async def create(order: Order, user: str = fastapi.Depends(user_dependency)) -> Any:
+            refuse(order)
+            runs.append(user)
+            return {"amount": order.amount}
+
+    # One principal for everyone: the 401 and the authenticated retry share a scope.
+    options = {"store": AsyncMemoryStore(), "principal": lambda scope: "tenant-1"}
+    if outer:
+        return IdempotencyMiddleware(app, **options)
+    app.add_middleware(IdempotencyMiddleware, **options)
+    return app
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["inner", "outer"])
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+async def test_a_dependencys_refusal_is_not_stored(outer: bool, sync: bool) -> None:
+    """SPEC §2 rule 7: an auth dependency's 401 is an answer given before the endpoint ran,
+    so the retry that authenticates runs with the same key; the endpoint's own 403 (raised
+    in a function it calls) is its answer, stored and replayed."""
+    runs: list[str] = []
+    app = authed_fastapi_app(runs, outer=outer, sync=sync)
+    async with client(app) as http:
+        key = {"Idempotency-Key": f"auth-{secrets.token_hex(4)}"}
+        body = {"amount": 5}
+        refused = await http.post("/orders", json=body, headers=key)
+        authed = {**key, "Authorization": "Bearer ok"}
+        fixed = await http.post("/orders", json=body, headers=authed)
+        again = await http.post("/orders", json=body, headers=authed)
+        limit = {"Idempotency-Key": f"limit-{secrets.token_hex(4)}", "Authorization": "Bearer ok"}
+        over = [await http.post("/orders", json={"amount": 500}, headers=limit) for _ in "ab"]
+    assert refused.status_code == 401
+    assert fixed.status_code == again.status_code == 201
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert runs == ["ada"]
+    assert [r.status_code for r in over] == [403, 403]
+    assert over[1].headers.get("idempotent-replayed") == "true"

@@ -10,7 +10,9 @@ idempo calls it for the frameworks it knows, found by duck typing (no framework 
 
 * FastAPI: the handler of ``RequestValidationError`` (the 422) in the app's exception
   middleware is wrapped (`watch_starlette`); FastAPI raises it after solving the
-  dependencies and before calling the endpoint.
+  dependencies and before calling the endpoint. So is the ``HTTPException`` handler, which
+  marks an exception whose traceback never entered the endpoint's function (a dependency's
+  refusal: an auth 401, a 403, a 404 for a missing parent).
 * Litestar: an ``after_exception`` hook on the app (`watch_litestar`) marks every exception
   whose traceback never entered the route handler's function (a validation error, a guard's
   refusal, a dependency's): raised in the endpoint, its answer is the endpoint's own, stored.
@@ -70,11 +72,12 @@ def watch_starlette(app: Any) -> bool:
     watched = False
     for handlers in _exception_handlers(app):
         for cls, handler in list(handlers.items()):
-            if _is_request_validation_error(cls) and not getattr(handler, "_idempo", False):
-                handlers[cls] = _marking(handler)
+            if _is_request_validation_error(cls):
                 watched = True
-            elif _is_request_validation_error(cls):
-                watched = True
+                if not getattr(handler, "_idempo", False):
+                    handlers[cls] = _marking(handler)
+            elif _is_http_exception(cls) and not getattr(handler, "_idempo", False):
+                handlers[cls] = _marking(handler, _outside_endpoint)
     return watched
 
 
@@ -106,16 +109,34 @@ def _is_request_validation_error(cls: Any) -> bool:
     )
 
 
-def _marking(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """``handler``, marking the request answered before its endpoint; sync stays sync
-    (Starlette runs a sync handler in a thread)."""
+def _is_http_exception(cls: Any) -> bool:
+    return isinstance(cls, type) and any(
+        base.__name__ == "HTTPException" and base.__module__.startswith("starlette")
+        for base in cls.__mro__
+    )
+
+
+def _outside_endpoint(scope: MutableMapping[str, Any], exc: BaseException) -> bool:
+    """Whether ``exc`` was raised without entering the endpoint the router chose (by a
+    dependency). An endpoint that cannot be found keeps the answer stored."""
+    codes = _codes(scope.get("endpoint"))
+    return bool(codes) and not _entered(exc.__traceback__, codes)
+
+
+def _marking(
+    handler: Callable[..., Any],
+    when: Callable[[MutableMapping[str, Any], BaseException], bool] | None = None,
+) -> Callable[..., Any]:
+    """``handler``, marking the request answered before its endpoint (if ``when`` says so);
+    sync stays sync (Starlette runs a sync handler in a thread)."""
     if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
         getattr(handler, "__call__", None)  # noqa: B004 - an async callable object
     ):
 
         @functools.wraps(handler)
         async def marked_async(request: Any, exc: Exception) -> Any:
-            answered_before_endpoint(request.scope)
+            if when is None or when(request.scope, exc):
+                answered_before_endpoint(request.scope)
             return await handler(request, exc)
 
         marked_async._idempo = True  # type: ignore[attr-defined]
@@ -123,7 +144,8 @@ def _marking(handler: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(handler)
     def marked(request: Any, exc: Exception) -> Any:
-        answered_before_endpoint(request.scope)
+        if when is None or when(request.scope, exc):
+            answered_before_endpoint(request.scope)
         return handler(request, exc)
 
     marked._idempo = True  # type: ignore[attr-defined]
