@@ -854,3 +854,26 @@ async def test_leased_zombie_is_fenced_and_its_write_rolled_back(app_db: AppDb) 
     async with guard.once("k-1", conn=zombie_conn, mode="leased") as retry:
         assert retry.replayed
         assert retry.result == "successor"
+
+
+@pytest.mark.anyio
+async def test_do_not_store_gives_the_answer_and_releases_the_key(app_db: AppDb) -> None:
+    """An attempt told not to store its result releases the key, and on the app's
+    connection its writes roll back with it: the retry runs the work again, once."""
+    conn = await app_db.connect()
+    async with app_db.guard.once("k-1", conn=conn, operation=OPERATION) as attempt:
+        await app_db.insert(conn, "stale quote")
+        attempt.result = {"error": "stale"}
+        attempt.do_not_store()
+    assert not attempt.keeps_answer
+    assert app_db.labels() == []
+    assert await app_db.guard.get("k-1", operation=OPERATION) is None
+    for expected_replayed in (False, True):
+        async with app_db.guard.once("k-1", conn=conn, operation=OPERATION) as attempt:
+            assert attempt.replayed is expected_replayed
+            if not attempt.replayed:
+                await app_db.insert(conn, "fresh quote")
+                attempt.result = {"price": 5}
+    assert attempt.result == {"price": 5}
+    assert app_db.labels() == ["fresh quote"]
+    assert app_db.idle(conn)

@@ -44,6 +44,7 @@ from typing import (
 from ._core.digest import key_ref
 from ._core.fingerprint import fingerprint
 from ._core.flow import (
+    NOT_KEPT,
     AsyncStoreVerbs,
     Codec,
     Done,
@@ -214,16 +215,24 @@ class Attempt(Generic[T]):
         return self._lost is not None
 
     def do_not_store(self) -> None:
-        """HTTP: send this request's answer without storing it, and release the key, so a
-        client that fixes its request may retry with the same key (SPEC §2 rule 7, as for
-        an answer given before the endpoint ran: a validation failure, a refused login).
-        On the app's connection the endpoint's writes roll back with the release: a retry
-        runs it again. The function API's way is a transient exception.
+        """Give this attempt's answer to its caller without storing it, and release the
+        key, so a caller that fixes its request may retry with the same key (SPEC §2 rule
+        7, as for an answer given before the endpoint ran: a validation failure, a refused
+        login). On the app's connection the work's writes roll back with the release: a
+        retry runs it again. Over HTTP the request's answer is sent, not stored:
 
             attempt = current_attempt(request)
             if not valid(payload):
                 attempt.do_not_store()
                 return JSONResponse({"error": "invalid"}, status_code=400)
+
+        >>> from idempo.stores.memory import MemoryStore
+        >>> idem = Idempotency(MemoryStore())
+        >>> with idem.once("k-9", operation="quote") as attempt:
+        ...     attempt.result = {"error": "stale price"}
+        ...     attempt.do_not_store()
+        >>> idem.begin("k-9", operation="quote").attempt.replayed
+        False
         """
         self._unkept = True
 
@@ -231,6 +240,11 @@ class Attempt(Generic[T]):
     def keeps_answer(self) -> bool:
         """False once `do_not_store` was called."""
         return not self._unkept
+
+    @property
+    def outcome(self) -> Any:
+        """What the flow records: the result, or `NOT_KEPT` after `do_not_store`."""
+        return NOT_KEPT if self._unkept else self.result
 
     @property
     def resumed(self) -> bool:
@@ -584,7 +598,7 @@ class Handle(_Pending[T]):
                 flow,
                 self._unit,
                 self._policy,
-                flow.send(self.attempt.result) if exc is None else flow.throw(exc),
+                flow.send(self.attempt.outcome) if exc is None else flow.throw(exc),
             )
         except BaseException as raised:
             if raised is exc:
@@ -685,7 +699,7 @@ class AsyncHandle(_Pending[T]):
                 flow,
                 self._unit,
                 self._policy,
-                flow.send(self.attempt.result) if ended is None else flow.throw(ended),
+                flow.send(self.attempt.outcome) if ended is None else flow.throw(ended),
                 cancelled=cancelled,
             )
         except BaseException as raised:

@@ -93,6 +93,11 @@ class Codec(Protocol):
         ...
 
 
+NOT_KEPT: Any = type("NotKept", (), {"__repr__": lambda self: "NOT_KEPT"})()
+"""What the work's result is sent as when the attempt said `do_not_store`: its answer went
+to the caller, and the key is released as for a transient failure."""
+
+
 def guarded_call(
     scope: Scope, fingerprint: str, policy: Policy, codec: Codec
 ) -> Generator[Op, Any, Record | None]:
@@ -110,7 +115,7 @@ def guarded_call(
         yield from _abandon(scope, run, codec, policy, exc)
         raise
     try:
-        status, body = _encoded(codec, value, policy)
+        status, body = (None, b"") if value is NOT_KEPT else _encoded(codec, value, policy)
     except IdempotencyError as exc:
         yield from _abandon(scope, run, codec, policy, exc, unstorable=True)
         raise

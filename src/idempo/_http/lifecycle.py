@@ -473,8 +473,6 @@ class Run:
             return True
         self.settled = True
         self._renewal.stop()
-        if not self.attempt.keeps_answer:
-            result = None  # the endpoint said not to store it: release the key
         try:
             with self._stack:
                 self._handle.finish(result)
@@ -575,8 +573,6 @@ class AsyncRun:
             return True
         self.settled = True
         await self._renewal.stop()
-        if not self.attempt.keeps_answer:
-            result = None  # the endpoint said not to store it: release the key
         try:
             await self._handle.finish(result)
         except IdempotencyError as exc:
