@@ -92,6 +92,7 @@ class IdempotencyMiddleware(ShowsOptions):
         watch_starlette(app)
         watch_litestar(app)
         self.unhooked = True  # until the first guarded run looks for a Litestar app
+        self.undocumented = True  # until the first request looks for a FastAPI app's schema
 
     @property
     def renew_every(self) -> float:
@@ -103,12 +104,26 @@ class IdempotencyMiddleware(ShowsOptions):
         self.settings.renew_every = seconds
 
     async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if self.undocumented and scope["type"] == "http":
+            self.undocumented = False
+            _document_openapi(self, scope)
         if scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
             return
         # Everything about one request lives in its own object: the middleware stays
         # stateless and shareable between concurrent requests.
         await _Exchange(self, scope, receive, send).run()
+
+
+def _document_openapi(middleware: IdempotencyMiddleware, scope: ASGIScope) -> None:
+    """A FastAPI app (duck-typed: ``openapi()`` and ``openapi_schema``) documents in its
+    OpenAPI schema what ``middleware`` guards, under the server's root path
+    (`idempo.contrib.fastapi`)."""
+    app = scope.get("app", middleware.app)
+    if callable(getattr(app, "openapi", None)) and hasattr(app, "openapi_schema"):
+        from .contrib.fastapi import document_served  # noqa: PLC0415 - imports FastAPI
+
+        document_served(app, middleware, str(scope.get("root_path", "")))
 
 
 class _Exchange:

@@ -36,6 +36,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from .._core.keys import derive_key
 from .._http import PROBLEM_TYPE_BASE
 from ..asgi import IdempotencyMiddleware
+from ..contrib.fastapi import document_idempotency
 from ..contrib.starlette import current_attempt
 from ..stores import open_async_store
 from .backends import Backend, Payment, open_backend
@@ -46,8 +47,6 @@ DEFAULT_LEASE = timedelta(seconds=10)
 EVENTS = "payment.captured"
 """Where the "payment.captured" events go by default: a routing key, a subject, a stream."""
 PROBLEM = "application/problem+json"
-# SPEC §4: 1-255 printable ASCII characters, bare or as an RFC 8941 string ("...").
-KEY_PATTERN = r'^(?:[!#-~][!-~]{0,254}|"(?:[!#-\[\]-~]|\\["\\]){1,255}")$'
 
 
 def _json_integer(value: Any) -> Any:
@@ -112,12 +111,13 @@ def problem(status: int, kind: str, title: str, detail: str, **headers: str) -> 
 
 
 _INVALID = _problem_response("Invalid request")
-_GUARD_ANSWERS: dict[int | str, dict[str, Any]] = {
-    400: _problem_response("Invalid body, or a missing or malformed Idempotency-Key"),
-    409: _problem_response("A request with this key is still in progress; see Retry-After"),
-    413: _problem_response("Request body too large"),
-    422: _problem_response("The Idempotency-Key was used with a different request"),
-    503: _problem_response("The store is unavailable, or X-Demo-Fail asked for a failure"),
+# The example's own answers. The middleware documents its own (the Idempotency-Key header,
+# Idempotent-Replayed, its 400, 409, 413, 422 and 503 problems: idempo.contrib.fastapi).
+_OWN_ANSWERS: dict[int | str, dict[str, Any]] = {
+    400: _problem_response("Invalid payment body (invalid-payment)"),
+    # Declared, so FastAPI documents no validation-error 422: this API answers those 400.
+    422: {"description": "Not a validation error: this API answers an invalid body 400"},
+    503: _problem_response("X-Demo-Fail asked for a failure (psp-unavailable)"),
 }
 
 
@@ -167,6 +167,9 @@ def create_app(
     app.add_middleware(
         IdempotencyMiddleware, store=store, lease=lease, **backend.middleware_options()
     )
+    # The middleware documents itself once it serves; this makes app.openapi() say it too
+    # before then (a schema exported for a client generator).
+    document_idempotency(app)
     app.state.backend = backend
     app.add_exception_handler(RequestValidationError, _invalid_request)
     _routes(app, backend, sleep, events)
@@ -199,21 +202,13 @@ def _routes(
         responses={
             201: {"headers": {"Location": {"schema": {"type": "string"}}}},
             402: {"model": Declined, "description": "The card was declined (stored, replayed)"},
-            **_GUARD_ANSWERS,
+            **_OWN_ANSWERS,
         },
     )
     async def create_payment(
         payment: PaymentRequest,
         request: Request,
         conn: Annotated[Any, Depends(_connection)],
-        idempotency_key: Annotated[
-            str,
-            Header(
-                alias="Idempotency-Key",
-                description="one per intent, reused on retry: a bare token or an sf-string",
-                pattern=KEY_PATTERN,
-            ),
-        ],
         delay_ms: Annotated[int | None, Header(alias="X-Demo-Delay-Ms", ge=0, le=60_000)] = None,
         fail: Annotated[Literal["transient"] | None, Header(alias="X-Demo-Fail")] = None,
         authorization: Annotated[
