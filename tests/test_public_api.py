@@ -65,7 +65,8 @@ def test_integrations_use_the_guard_through_public_names_only() -> None:
     """The consumers and the saga are written on the two-phase handle: no dunder calls of the
     guard's context managers, no private names of idempo.guard."""
     src = Path(idempo.__file__).parent
-    for path in ("consumer.py", "saga.py", "contrib/aio_pika.py", "contrib/faststream.py"):
+    integrations = ("contrib/aio_pika.py", "contrib/faststream.py", "contrib/celery.py")
+    for path in ("consumer.py", "saga.py", *integrations):
         text = (src / path).read_text()
         assert not re.search(r"\.__a?(enter|exit)__\(", text), path
         assert not re.search(r"guard import[^\n]*\b_[a-zA-Z]", text), path

@@ -86,11 +86,12 @@ class LiveLeaseError(RequestInProgressError):
         lease_end = record.lease_expires_at or now
         remaining = max(0.0, (lease_end - now).total_seconds())
         super().__init__(record.scope.key, remaining)
-        self.args = (
+        message = (
             f"key {record.scope.key!r} is in progress under a live lease (token"
             f" {record.token}, {remaining:.1f}s left): its holder may be running now;"
-            " force it (--force, force=True) or wait for the lease to end",
+            " force it (--force, force=True) or wait for the lease to end"
         )
+        self._say(message, record, now)
         self.record = record
 
 

@@ -22,7 +22,9 @@
         ├── FingerprintMismatchError (422) same key, different payload
         └── VersionConflictError (409)     a version-guarded write found another version
 
-HTTP-facing classes carry `status_code` so adapters map them without a lookup table.
+HTTP-facing classes carry `status_code` so adapters map them without a lookup table. Every
+error rebuilds from its ``args`` (``type(exc)(*exc.args)``), as pickle, multiprocessing and
+Celery's result backends rebuild an exception in another process.
 """
 
 from __future__ import annotations
@@ -55,9 +57,30 @@ __all__ = [
 
 
 class IdempotencyError(Exception):
-    """Root of every error idempo raises."""
+    """Root of every error idempo raises.
+
+    >>> error = FingerprintMismatchError("k-1")
+    >>> type(error)(*error.args).key, str(error) == str(type(error)(*error.args))
+    ('k-1', True)
+    >>> error
+    FingerprintMismatchError('key#7c35c5a1785d2070 was already used with a different payload')
+    """
 
     status_code: int = 500
+    _message: str | None = None
+
+    def _say(self, message: str, *args: object) -> None:
+        """For a constructor that takes other things than its message: keep them as
+        ``args``, so the error rebuilds from them, and say ``message``."""
+        super().__init__(*args)
+        self._message = message
+
+    def __str__(self) -> str:
+        return super().__str__() if self._message is None else self._message
+
+    def __repr__(self) -> str:
+        # The message, whose keys are digests, not the arguments, which may be raw keys.
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class ConfigurationError(IdempotencyError):
@@ -101,8 +124,9 @@ class MissingKeyError(InvalidKeyError):
 
     status_code = 400
 
-    def __init__(self, message: str = "", *, header: str = "Idempotency-Key") -> None:
-        super().__init__(message or f"the {header} header is missing")
+    def __init__(self, message: str = "", header: str = "Idempotency-Key") -> None:
+        message = message or f"the {header} header is missing"
+        self._say(message, message, header)
         self.header = header
 
 
@@ -112,7 +136,7 @@ class RequestTooLargeError(IdempotencyError):
     status_code = 413
 
     def __init__(self, limit: int) -> None:
-        super().__init__(f"the request body is over the {limit}-byte limit for guarded requests")
+        self._say(f"the request body is over the {limit}-byte limit for guarded requests", limit)
         self.limit = limit
 
 
@@ -128,7 +152,8 @@ class ResponseTooLargeError(IdempotencyError):
     status_code = 500
 
     def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"the result is {size} bytes, over the {limit}-byte limit for storage")
+        message = f"the result is {size} bytes, over the {limit}-byte limit for storage"
+        self._say(message, size, limit)
         self.size = size
         self.limit = limit
 
@@ -154,7 +179,8 @@ class ReplayedFailureError(IdempotencyError):
     status_code = 500
 
     def __init__(self, error_type: str, detail: str) -> None:
-        super().__init__(f"{error_type}: {detail} (replayed from the first execution)")
+        message = f"{error_type}: {detail} (replayed from the first execution)"
+        self._say(message, error_type, detail)
         self.error_type = error_type
         self.detail = detail
 
@@ -171,7 +197,8 @@ class RequestInProgressError(ConflictError):
     status_code = 409
 
     def __init__(self, key: str, retry_after: float) -> None:
-        super().__init__(f"{key_ref(key)} is in progress; retry after {retry_after:.1f}s")
+        message = f"{key_ref(key)} is in progress; retry after {retry_after:.1f}s"
+        self._say(message, key, retry_after)
         self.key = key
         self.retry_after = retry_after
 
@@ -182,7 +209,7 @@ class FingerprintMismatchError(ConflictError):
     status_code = 422
 
     def __init__(self, key: str) -> None:
-        super().__init__(f"{key_ref(key)} was already used with a different payload")
+        self._say(f"{key_ref(key)} was already used with a different payload", key)
         self.key = key
 
 
@@ -225,7 +252,8 @@ class VersionConflictError(ConflictError):
 
     def __init__(self, table: str, key: dict[str, object], expected: int, actual: object) -> None:
         found = "no such row" if actual is None else f"version {actual!r}"
-        super().__init__(f"{table} {key!r}: expected version {expected!r}, found {found}")
+        message = f"{table} {key!r}: expected version {expected!r}, found {found}"
+        self._say(message, table, key, expected, actual)
         self.table = table
         self.key = key
         self.expected = expected
