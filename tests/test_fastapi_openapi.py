@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
-from idempo._http.problems import PROBLEM_TYPE_BASE
+from idempo._wire import PROBLEM_TYPE_BASE
 from idempo.asgi import IdempotencyMiddleware
 from idempo.contrib.fastapi import KEY_PATTERN, PROBLEM_SCHEMA, Idempotent, document_idempotency
 from idempo.errors import ConfigurationError

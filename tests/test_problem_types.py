@@ -7,7 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from idempo._http.problems import PROBLEM_TYPE_BASE, problem_for
+from idempo._http.problems import problem_for
+from idempo._wire import PROBLEM_TYPE_BASE
 from idempo.errors import IdempotencyError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,6 +24,7 @@ public face for adapters written outside idempo)::
 from __future__ import annotations
 
 from .._core.keys import evict_hint
+from .._wire import PROBLEM_TYPE_BASE
 from ..errors import MissingKeyError, RequestTooLargeError
 from .codec import Classifier, HttpCodec, classify_status
 from .fingerprint import (
@@ -36,7 +37,7 @@ from .fingerprint import (
 )
 from .keys import KEY_HEADER, Header, header_values, headers_named, parse_key
 from .principals import NO_RESOLVER, Principals, default_principal, user_principal
-from .problems import PROBLEM_TYPE_BASE, problem, problem_for
+from .problems import problem, problem_for
 from .response import (
     REPLAYED_HEADER,
     HttpResponse,

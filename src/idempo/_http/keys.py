@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
+from .. import _wire
 from .._core.keys import validate_key
 from .._optional import optional_import
 from ..errors import InvalidKeyError
@@ -12,7 +13,7 @@ from ..errors import InvalidKeyError
 Header = tuple[bytes, bytes]
 """One header as it travels in ASGI: ``(name, value)``, both bytes, the name lowercased."""
 
-KEY_HEADER = b"idempotency-key"
+KEY_HEADER = _wire.KEY_HEADER.lower().encode()
 
 
 def header_values(headers: Iterable[Header], name: bytes) -> list[bytes]:

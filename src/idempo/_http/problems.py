@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Sequence
 
+from .._wire import PROBLEM_MEDIA_TYPE, PROBLEM_TYPE_BASE
 from ..errors import (
     CorruptRecordError,
     FencedError,
@@ -23,9 +24,7 @@ from ..errors import (
 from .keys import Header
 from .response import HttpResponse
 
-# Problem types are URNs: stable identifiers that promise no web page (RFC 9457 §3.1.1
-# allows non-resolvable type URIs). docs/http.md lists them.
-PROBLEM_TYPE_BASE = "urn:idempo:problem:"
+_MEDIA_TYPE = PROBLEM_MEDIA_TYPE.encode()
 
 
 def problem(
@@ -48,7 +47,7 @@ def problem(
     return HttpResponse(
         status,
         (
-            (b"content-type", b"application/problem+json"),
+            (b"content-type", _MEDIA_TYPE),
             (b"content-length", str(len(body)).encode()),
             *headers,
         ),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import _wire
 from ..errors import CorruptRecordError
 from .fingerprint import _ascii_string, json_loads
 from .keys import Header
 
-REPLAYED_HEADER = b"idempotent-replayed"
+REPLAYED_HEADER = _wire.REPLAYED_HEADER.lower().encode()
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus the obsolete ones proxies still send. A replay
 # travels over a new connection, so the first connection's fields mean nothing there.

@@ -28,6 +28,7 @@ with optional_import("the idempotent client needs httpx", extra="httpx"):
     import anyio
     import httpx
 
+from .._wire import PROBLEM_MEDIA_TYPE
 from ..errors import ConfigurationError
 from .retry import Answer, Error, RetryPolicy, Send, Wait, parse_retry_after, retry_flow
 
@@ -105,7 +106,7 @@ class _Run:
             headers.get("Retry-After"), date=headers.get("Date"), now=self.policy.wall_clock
         )
         problem = None
-        if raw is not None and headers.get("content-type", "").startswith(_PROBLEM_JSON):
+        if raw is not None and headers.get("content-type", "").startswith(PROBLEM_MEDIA_TYPE):
             problem = _problem_type(response, raw)
         self._outcome = Answer(response.status_code, retry_after, problem)
 
@@ -127,9 +128,6 @@ class _Run:
         last.extensions[KEY_EXTENSION] = self.key
         last.extensions[ATTEMPTS_EXTENSION] = self.attempts
         return last
-
-
-_PROBLEM_JSON = "application/problem+json"
 
 
 def _problem_type(response: httpx.Response, raw: bytes) -> str | None:

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from .._wire import KEY_HEADER, PROBLEM_TYPE_BASE
 from ..errors import ConfigurationError
 from ..policy import utcnow
 
@@ -33,8 +34,8 @@ NEVER_RETRIED = frozenset({400, 422})
 # The problem types (RFC 9457) that say what an answer means whatever its status, for servers
 # on either convention of SPEC §4: "in progress" as 409 or 202, "same key, another request"
 # as 422 or 409.
-IN_PROGRESS_PROBLEM = "urn:idempo:problem:request-in-progress"
-MISMATCH_PROBLEM = "urn:idempo:problem:fingerprint-mismatch"
+IN_PROGRESS_PROBLEM = PROBLEM_TYPE_BASE + "request-in-progress"
+MISMATCH_PROBLEM = PROBLEM_TYPE_BASE + "fingerprint-mismatch"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +84,7 @@ class RetryPolicy:
     max_retry_after: float = 60.0
     retry_errors: tuple[type[BaseException], ...] | None = None
     methods: Collection[str] = frozenset({"POST", "PATCH"})
-    header: str = "Idempotency-Key"
+    header: str = KEY_HEADER
     max_body_bytes: int = 10 * 1024 * 1024
     sleep: Callable[[float], object] | None = None
     clock: Callable[[], float] = time.monotonic

@@ -58,9 +58,9 @@ with optional_import("idempo.contrib.fastapi needs FastAPI", extra="fastapi"):
 from .._http.lifecycle import Admission, Lifecycle
 from .._http.options import HttpSettings, _header_name
 from .._http.per_route import KeyHook, Routed, RouteRule, mark
-from .._http.problems import PROBLEM_TYPE_BASE
 from .._http.response import HttpResponse
 from .._http.routes import StarletteRoutes
+from .._wire import KEY_HEADER, PROBLEM_MEDIA_TYPE, PROBLEM_TYPE_BASE, REPLAYED_HEADER
 from ..errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -94,11 +94,9 @@ KEY_PATTERN = r'^(?:[!#-~][!-~]{0,254}|"(?:[!#-\[\]-~]|\\["\\]){1,255}")$'
 bare, or the same as an RFC 8941 sf-string (``"..."``, with ``\\"`` and ``\\\\`` escapes);
 a bare key never starts with ``"``. Documentation only: the middleware checks keys itself."""
 
-REPLAYED_HEADER = "Idempotent-Replayed"
 PROBLEM_SCHEMA = "IdempotencyProblem"
 """The name of the problem document's schema in ``components.schemas``."""
 
-PROBLEM_MEDIA_TYPE = "application/problem+json"
 _PROBLEM_REF = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
 _PROBLEM_JSON_SCHEMA: dict[str, Any] = {
     "title": PROBLEM_SCHEMA,
@@ -174,7 +172,7 @@ class Idempotent:
         *,
         require_key: bool | None = None,
         key_from: KeyHook | None = None,
-        header: str = "Idempotency-Key",
+        header: str = KEY_HEADER,
     ) -> None:
         _header_name(header)  # a ConfigurationError for what is no header name
         self.require_key = require_key
@@ -191,7 +189,7 @@ class Idempotent:
     def __repr__(self) -> str:
         given = {"require_key": self.require_key, "key_from": self.key_from}
         shown = [f"{name}={value!r}" for name, value in given.items() if value is not None]
-        if self.header != "Idempotency-Key":
+        if self.header != KEY_HEADER:
             shown.append(f"header={self.header!r}")
         return f"Idempotent({', '.join(shown)})"
 

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from .._core.keys import derive_key
-from .._http import PROBLEM_TYPE_BASE
+from .._wire import PROBLEM_MEDIA_TYPE, PROBLEM_TYPE_BASE
 from ..asgi import IdempotencyMiddleware
 from ..contrib.fastapi import document_idempotency
 from ..contrib.starlette import current_attempt
@@ -46,7 +46,7 @@ __all__ = ["create_app"]
 DEFAULT_LEASE = timedelta(seconds=10)
 EVENTS = "payment.captured"
 """Where the "payment.captured" events go by default: a routing key, a subject, a stream."""
-PROBLEM = "application/problem+json"
+PROBLEM = PROBLEM_MEDIA_TYPE
 
 
 def _json_integer(value: Any) -> Any:
