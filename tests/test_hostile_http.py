@@ -52,11 +52,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from idempo import Idempotency, InvalidPayloadError
+from idempo import Idempotency, InvalidKeyError, InvalidPayloadError, validate_key
 from idempo._http import canonical_parts, parse_key
 from idempo.asgi import ATTEMPT_SCOPE_KEY, IdempotencyMiddleware
 from idempo.errors import ConfigurationError
 from idempo.events import key_digest
+from idempo.http import json_field
 from idempo.stores.postgres import AsyncPostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idempo.wsgi import ATTEMPT_ENVIRON_KEY, IdempotencyWSGIMiddleware
@@ -318,9 +319,13 @@ class Site:
     records: Callable[[], list[tuple[str, str]]]  # (key, state) of every stored record
     clear: Callable[[], None]
     wsgi: bool = False  # a header sent twice arrives as one value, joined with a comma
+    # Where the site's middleware finds a key when not in the header (its ``key_from``).
+    key_from: Callable[[Sent], str | None] | None = None
 
     def key(self, sent: Sent) -> str | None:
         """The key idempo read from the request, as the adapter hands the header over."""
+        if self.key_from is not None:
+            return self.key_from(sent)
         return parse_key([b",".join(sent.keys)] if self.wsgi and sent.keys else sent.keys)
 
 
@@ -638,6 +643,65 @@ def check_exchange(site: Site, sent: Sent) -> None:
 @given(sent=REQUESTS)
 def test_hostile_requests_never_get_a_5xx_nor_leave_a_record(site: Site, sent: Sent) -> None:
     check_exchange(site, sent)
+
+
+# A webhook keyed by its body (Stripe's event.id): the key is whatever the sender put there.
+_EVENT_IDS = st.one_of(
+    st.sampled_from([b"42", b"-0", b"1e400", b'"a b"', b'""', b"null", b"true", b"[]", b"{}"]),
+    st.sampled_from([b'"' + b"k" * 256 + b'"', b"9" * 300, b'"\\ud800"', b'"caf\\u00e9"']),
+    st.just(b"1" * 5000),
+)
+_VALID_IDS = VALID_KEYS.map(lambda key: json.dumps(key[0].decode()).encode())
+_HOOKED = st.builds(
+    lambda value, rest: b'{"id": ' + value + rest,
+    st.one_of(_VALID_IDS, _VALID_IDS, _EVENT_IDS),
+    st.sampled_from(
+        [
+            b"}",
+            b"}",
+            b"}",
+            b"}",
+            b', "id": "twice"}',
+            b', "n": 1e400}',
+            b"",
+            b"}}",
+            b', "x": ' + b"[" * 3000,
+        ]
+    ),
+)
+HOOKED_BODIES = st.one_of(_HOOKED, _HOOKED, _HOOKED, BODIES)
+
+
+@EXAMPLES
+@given(
+    body=HOOKED_BODIES,
+    content_type=st.one_of(_JSON_TYPE, CONTENT_TYPES),
+    keys=st.one_of(st.just([]), KEYS),
+)
+def test_hostile_bodies_of_a_webhook_keyed_by_its_body(
+    make_site: MakeSite, body: bytes, content_type: bytes, keys: list[bytes]
+) -> None:
+    """``key_from=json_field("id")``: whatever the body holds, the hook finds a key, none
+    (a 400), or a malformed one (a 400), and never makes a 5xx; the Idempotency-Key header
+    is then no key at all."""
+    site = make_site(key_from=json_field("id"))
+    site.key_from = lambda sent: _json_field_key(sent.body)
+    check_exchange(site, Sent(keys, [(b"content-type", content_type)], body, b"", 1))
+
+
+def _json_field_key(body: bytes) -> str | None:
+    """What ``json_field("id")`` should find: the id, if a string or integer, and a valid key."""
+    try:
+        found = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    value = found.get("id") if isinstance(found, dict) else None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return None
+    try:
+        return validate_key(str(value))
+    except InvalidKeyError:
+        return None
 
 
 @pytest.mark.postgres

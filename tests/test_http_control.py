@@ -337,9 +337,12 @@ class Api:
         self.client = client
         self.backend = backend
 
-    def post(self, path: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
+    def post(
+        self, path: str, body: dict[str, Any] | bytes, key: str | None = None
+    ) -> httpx.Response:
         headers = {} if key is None else {"Idempotency-Key": key}
-        return self.client.post(path, content=json.dumps(body), headers=headers)
+        content = body if isinstance(body, bytes) else json.dumps(body)
+        return self.client.post(path, content=content, headers=headers)
 
     def runs(self, route: str) -> int:
         return self.backend.calls[route]
@@ -443,6 +446,9 @@ def test_a_webhook_keyed_by_its_body_runs_once_per_event(serve: Callable[..., Ap
     # No id: the hook finds no key, and the route requires one.
     assert problem_type(api.post("/hook", {"type": "ping"})) == "missing-key"
     assert problem_type(api.post("/hook", {"id": "has space"})) == "invalid-key"
+    # A body no parser can read gives the hook no key: never a 5xx (SPEC §8).
+    deep = b'{"id": ' * 100_000 + b'"evt_deep"' + b"}" * 100_000
+    assert problem_type(api.post("/hook", deep)) == "missing-key"
     assert api.runs("hook") == 1
 
 
@@ -648,7 +654,9 @@ def test_key_hooks_for_webhook_senders() -> None:
     stripe = json_field("id")
     assert stripe(SimpleNamespace(body=b'{"id": "evt_1"}')) == "evt_1"
     assert stripe(SimpleNamespace(body=b'{"id": 42}')) == "42"
-    for body in (b"", b"[]", b'{"id": null}', b'{"id": true}', b'{"id": {"a": 1}}', b"\xff"):
+    deep, huge = b"[" * 100_000 + b"]" * 100_000, b'{"id": 1' + b"0" * 5_000 + b"}"
+    odd = (b"", b"[]", b'{"id": null}', b'{"id": true}', b'{"id": {"a": 1}}', b"\xff", deep, huge)
+    for body in odd:
         assert stripe(SimpleNamespace(body=body)) is None
     github = header_key("X-GitHub-Delivery")
     assert github(SimpleNamespace(headers=[(b"x-github-delivery", b'"d-1"')])) == "d-1"

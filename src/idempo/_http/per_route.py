@@ -26,12 +26,12 @@ reads it (`idempo._http.lifecycle.Request`: ``raw``, ``method``, ``path``, ``que
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
+from .fingerprint import json_loads
 from .keys import header_values, parse_key
 
 __all__ = [
@@ -186,8 +186,8 @@ def json_field(*path: str) -> KeyHook:
 
     def key(request: Any) -> str | None:
         try:
-            found: Any = json.loads(request.body)
-        except ValueError:
+            found: Any = json_loads(request.body)
+        except (ValueError, RecursionError):  # nesting deeper than the parser goes, too
             return None
         for name in path:
             if not isinstance(found, dict):
