@@ -21,9 +21,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import kombu
 import pytest
@@ -497,9 +499,29 @@ def test_same_key_with_other_arguments_is_refused(local: Local) -> None:
         charge.delay("p-1", 5, note="again").get()
     assert noted.delay("p-1", 5).get() == 5
     assert noted.delay("p-1", 5, note="a retry says so").get() == 5
-    with pytest.raises(InvalidPayloadError):  # arguments with no JSON form (pickled)
+    with pytest.raises(InvalidPayloadError, match="payload="):  # no JSON form (pickled)
         charge.apply(("p-2", object())).get()
     assert local.calls == [5, -5]
+
+
+def test_arguments_celerys_json_carries_are_fingerprinted(local: Local) -> None:
+    """datetime, UUID, Decimal and bytes travel in Celery's JSON: a task that takes them
+    runs once per key, and the key again with another of them is refused."""
+
+    @local.app.task(shared=False, name="book")
+    @idempotent_task(local.consumer("book"), key="booking")
+    def book(booking: str, at: datetime, guest: UUID, price: Decimal, note: bytes) -> str:
+        local.calls.append(booking)
+        return booking
+
+    at, guest = datetime(2026, 12, 3, 9, 30, tzinfo=UTC), UUID(int=7)
+    assert book.delay("b-1", at, guest, Decimal("9.90"), b"n").get() == "b-1"
+    assert book.delay("b-1", at, guest, Decimal("9.90"), b"n").get() == "b-1"
+    with pytest.raises(FingerprintMismatchError):
+        book.delay("b-1", at, guest, Decimal("9.95"), b"n").get()
+    with pytest.raises(FingerprintMismatchError):
+        book.delay("b-1", at + timedelta(hours=1), guest, Decimal("9.90"), b"n").get()
+    assert local.calls == ["b-1"]
 
 
 def test_deterministic_failure_is_stored_and_replayed(local: Local) -> None:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 import os
 import threading
@@ -68,11 +69,12 @@ from .._optional import optional_import
 
 with optional_import("idempo.contrib.celery needs Celery", extra="celery"):
     from celery import current_task
+    from kombu.utils import json as kombu_json
 
 from .. import validate_key
 from .._core.fingerprint import canonical_bytes
 from ..consumer import Action, Consumer, Delivery, Envelope, Outcome, Reason
-from ..errors import ConfigurationError, IdempotencyError, MissingKeyError
+from ..errors import ConfigurationError, IdempotencyError, InvalidPayloadError, MissingKeyError
 from ..policy import utcnow
 
 __all__ = [
@@ -181,7 +183,7 @@ class _Task:
         fingerprinted = arguments if self.payload is None else self.payload(*given, **kwargs)
         envelope = Envelope(
             id=self.key_of(request, arguments, given, kwargs),
-            body=canonical_bytes(fingerprinted),
+            body=_canonical_arguments(fingerprinted),
             timestamp=_published(request, PUBLISHED_HEADER),
         )
         try:
@@ -270,6 +272,24 @@ class _Task:
         # TRANSIENT (released), FAILED (recorded), INVALID_KEY, MISMATCH: the error itself.
         assert outcome.error is not None, f"a {reason.value} outcome without its error"
         raise outcome.error
+
+
+def _canonical_arguments(arguments: Any) -> bytes:
+    """The canonical JSON of a task's arguments, with the types Celery's own JSON carries
+    (datetime, UUID, Decimal, bytes) in the tagged form kombu sends them in: a task that
+    takes a datetime is fingerprinted, not refused."""
+    try:
+        return canonical_bytes(arguments)
+    except InvalidPayloadError:
+        pass
+    try:
+        carried = json.loads(kombu_json.dumps(arguments))  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayloadError(
+            "cannot fingerprint the task's arguments: they have no JSON form (pickled"
+            " objects?); say what identifies the intent with payload= (docs/celery.md)"
+        ) from exc
+    return canonical_bytes(carried)
 
 
 def _runs(task: Any, wrapper: Callable[..., Any]) -> bool:
