@@ -39,7 +39,8 @@ from .keys import Scope
 from .ops import Checkpoint, Discard, Release, Renew, Reserve, Settle, StoreOp
 from .record import Acquired, InProgress, Mismatch, Record, Replay, Status
 
-# How often a caller told to wait re-checks a key that is in progress, at most.
+# How often a caller told to wait re-checks a key that is in progress, at most, when its
+# store cannot say when the record settles.
 _POLL_SECONDS = 0.05
 
 
@@ -59,7 +60,12 @@ class Execute:
 
 @dataclass(slots=True)
 class Sleep:
+    """Wait before reserving ``scope`` again, ``seconds`` at most: a store that can tell when
+    a record settles (``wait_settled``) ends the wait then; with any other the caller asks
+    again every `_POLL_SECONDS`."""
+
     seconds: float
+    scope: Scope
 
 
 Op = Reserve | Execute | Settle | Release | Checkpoint | Discard | Sleep
@@ -232,7 +238,7 @@ def _reserve(
                 remaining = (wait - elapsed()).total_seconds()
                 if remaining <= 0:
                     raise RequestInProgressError(scope.key, retry_after)
-                yield Sleep(min(retry_after, remaining, _POLL_SECONDS))
+                yield Sleep(min(retry_after, remaining), scope)
 
 
 def _outcome(
@@ -350,17 +356,34 @@ def performer(target: Any, direct: type[Verbs] = Verbs) -> Performer:
     return direct(target)
 
 
-def _sleep(op: Sleep, policy: Policy) -> object:
-    return (policy.sleep or time.sleep)(op.seconds)
+def _waiter(unit: Performer, policy: Policy) -> Callable[[Scope, float], Any] | None:
+    """The store's ``wait_settled(scope, seconds)``, woken when the record settles, is
+    released or deleted; None where the store has none, or where a test's clock or sleep
+    is injected (waits then move that clock, one poll at a time)."""
+    if policy.sleep is not None or policy.clock is not None:
+        return None
+    return cast("Callable[[Scope, float], Any] | None", getattr(unit, "wait_settled", None))
 
 
-async def _asleep(op: Sleep, policy: Policy) -> None:
+def _sleep(op: Sleep, policy: Policy, unit: Performer) -> object:
+    wait = _waiter(unit, policy)
+    if wait is not None:
+        return wait(op.scope, op.seconds)
+    return (policy.sleep or time.sleep)(min(op.seconds, _POLL_SECONDS))
+
+
+async def _asleep(op: Sleep, policy: Policy, unit: Performer) -> None:
+    wait = _waiter(unit, policy)
+    if wait is not None:
+        await wait(op.scope, op.seconds)
+        return
+    seconds = min(op.seconds, _POLL_SECONDS)
     if policy.sleep is None:
-        await asyncio.sleep(op.seconds)
+        await asyncio.sleep(seconds)
         return
     # An injected sleep (a test's clock) moves the clock the deadline is read from; other
     # tasks still get their turn.
-    slept = policy.sleep(op.seconds)
+    slept = policy.sleep(seconds)
     if inspect.isawaitable(slept):
         await slept
         return
@@ -376,7 +399,7 @@ def pump(flow: Flow, unit: Performer, policy: Policy, op: Op) -> Execute | Done:
     try:
         while not isinstance(op, Execute):
             try:
-                result = _sleep(op, policy) if isinstance(op, Sleep) else perform(op)
+                result = _sleep(op, policy, unit) if isinstance(op, Sleep) else perform(op)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
                 op = flow.throw(exc)
             else:
@@ -462,7 +485,7 @@ class _Cancellation:
     async def perform(self, unit: Performer, policy: Policy, op: Op) -> Any:
         """Carry out one operation; a wait is never shielded (nothing is held meanwhile)."""
         if isinstance(op, Sleep):
-            await _asleep(op, policy)
+            await _asleep(op, policy, unit)
             return None
         return await self.complete(unit.perform(op))  # type: ignore[arg-type] # never Execute
 

@@ -5,8 +5,10 @@ Safe under threads and asyncio tasks; nothing survives the process.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from .._core.digest import key_ref
@@ -15,6 +17,8 @@ from .._core.record import Acquired, Record, Reservation, Status, judge
 from ..errors import FencedError
 from . import _clock
 from ._scan import ScanFilter, oldest
+
+_NO_TIME = timedelta(0)
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 
@@ -105,6 +109,8 @@ class MemoryStore:
         # Every token this store ever handed out is below the next one, whatever was deleted
         # since: a holder stalled past its record's deletion never matches a later holder.
         self._issued = 0
+        # Callers waiting for a record in progress to settle (`wait_settled`), by scope.
+        self._waiting: dict[Scope, list[Callable[[], object]]] = {}
 
     def reserve(
         self,
@@ -175,6 +181,8 @@ class MemoryStore:
             entry.updated_at = now
             entry.expires_at = max(entry.expires_at, now + ttl)
             entry._record = None
+            if self._waiting:
+                self._wake(scope)
 
     def complete(
         self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
@@ -197,6 +205,8 @@ class MemoryStore:
                 and entry.recovery_point is None
             ):
                 del self._entries[scope]
+                if self._waiting:
+                    self._wake(scope)
 
     def renew(self, scope: Scope, token: int, *, now: datetime | None, lease: timedelta) -> None:
         self._extend(scope, token, now, lease, None)
@@ -221,6 +231,8 @@ class MemoryStore:
             if point is not None:
                 entry.recovery_point = point
             entry._record = None
+            if self._waiting and lease <= _NO_TIME:  # the lease ended: a waiter may take over
+                self._wake(scope)
 
     def get(self, scope: Scope) -> Record | None:
         with self._lock:
@@ -230,6 +242,8 @@ class MemoryStore:
     def evict(self, scope: Scope) -> bool:
         """Delete the record whatever its state; True if there was one."""
         with self._lock:
+            if self._waiting:
+                self._wake(scope)
             return self._entries.pop(scope, None) is not None
 
     def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
@@ -243,7 +257,54 @@ class MemoryStore:
             ][:limit]
             for scope in doomed:
                 del self._entries[scope]
+                if self._waiting:
+                    self._wake(scope)
             return len(doomed)
+
+    def wait_settled(self, scope: Scope, seconds: float) -> None:
+        """Return once the record of ``scope`` is no longer in progress (settled, released,
+        deleted, its lease ended by its holder), or ``seconds`` later: a caller told to
+        wait (``Policy.wait``) learns of the first attempt's end at once instead of polling.
+
+        >>> import threading
+        >>> from datetime import UTC, datetime, timedelta
+        >>> store, scope = MemoryStore(), Scope("", "charge", "k1")
+        >>> now = datetime.now(UTC)
+        >>> held = store.reserve(scope, "fp", now=now, lease=timedelta(1), ttl=timedelta(1))
+        >>> threading.Timer(0.05, store.release, (scope, held.token)).start()
+        >>> store.wait_settled(scope, seconds=30)  # returns after about 0.05 s, not 30
+        """
+        woken = threading.Event()
+        if not self._watch(scope, woken.set):
+            return
+        try:
+            woken.wait(seconds)
+        finally:
+            self._unwatch(scope, woken.set)
+
+    def _watch(self, scope: Scope, wake: Callable[[], object]) -> bool:
+        """Call ``wake`` once the record of ``scope`` changes; False (and no call) if it is
+        not in progress now. Checked under the lock that every change takes: no change can
+        slip in between the check and the watch."""
+        with self._lock:
+            entry = self._entries.get(scope)
+            if entry is None or entry.status is not Status.IN_PROGRESS:
+                return False
+            self._waiting.setdefault(scope, []).append(wake)
+            return True
+
+    def _unwatch(self, scope: Scope, wake: Callable[[], object]) -> None:
+        with self._lock:
+            waiting = self._waiting.get(scope)
+            if waiting and wake in waiting:
+                waiting.remove(wake)
+                if not waiting:
+                    del self._waiting[scope]
+
+    def _wake(self, scope: Scope) -> None:
+        # Under the lock; each waker only sets an event or schedules a callback.
+        for wake in self._waiting.pop(scope, ()):
+            wake()
 
     def stats(self) -> dict[str, int]:
         """How many records are in each state."""
@@ -323,6 +384,26 @@ class AsyncMemoryStore:
     async def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
         return self.sync.purge(before=before, limit=limit)
 
+    async def wait_settled(self, scope: Scope, seconds: float) -> None:
+        """`MemoryStore.wait_settled`, without blocking the event loop: the record may be
+        settled from another thread (a sync guard on the same store) or this loop."""
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve, woken)
+            except RuntimeError:  # the loop is closed: nobody is left waiting
+                pass
+
+        if not self.sync._watch(scope, wake):
+            return
+        try:
+            await asyncio.wait((woken,), timeout=seconds)
+        finally:
+            self.sync._unwatch(scope, wake)
+            woken.cancel()
+
     async def stats(self) -> dict[str, int]:
         """How many records are in each state."""
         return self.sync.stats()
@@ -347,3 +428,8 @@ class AsyncMemoryStore:
 
     async def aclose(self) -> None:
         pass
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
