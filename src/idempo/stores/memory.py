@@ -6,6 +6,7 @@ Safe under threads and asyncio tasks; nothing survives the process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -391,10 +392,8 @@ class AsyncMemoryStore:
         woken: asyncio.Future[None] = loop.create_future()
 
         def wake() -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left waiting
                 loop.call_soon_threadsafe(_resolve, woken)
-            except RuntimeError:  # the loop is closed: nobody is left waiting
-                pass
 
         if not self.sync._watch(scope, wake):
             return
