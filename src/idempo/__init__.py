@@ -38,6 +38,7 @@ from .errors import (
     StoreError,
     StoreUnavailableError,
     TransactionOwnershipError,
+    UndecryptableRecordError,
     UnserializableResultError,
     VersionConflictError,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "StoreUnavailableError",
     "TransactionOwnershipError",
     "TypedSerializer",
+    "UndecryptableRecordError",
     "UnserializableResultError",
     "VersionConflictError",
     "derive_key",

@@ -24,7 +24,7 @@ from . import admin
 from ._core.keys import Scope
 from .cli import NOT_FOUND, _fail, _redacted, _reported, _store, app, console
 from .doctor import Level, diagnose, parse_duration
-from .errors import FencedError
+from .errors import ConfigurationError, FencedError
 
 REFUSED = 4
 
@@ -169,6 +169,13 @@ def resolve(
         ),
     ] = "auto",
     status: Annotated[int, typer.Option(help="the HTTP status retries get (http format)")] = 500,
+    encryption_env: Annotated[
+        str | None,
+        typer.Option(
+            help="seal the answer with the key ring in this environment variable"
+            " (id:base64,...), as the app's guard given encryption= does"
+        ),
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """End an in-progress record as FAILED with a stored problem, fenced on its token.
@@ -179,8 +186,16 @@ def resolve(
     scope = _scope(key, operation, principal, authorization)
     if format not in ("auto", "http", "function"):
         raise _fail(f"--format is auto, http or function, not {format!r}", 2)
+    ring = None
+    if encryption_env is not None:
+        from .encryption import KeyRing  # noqa: PLC0415 - keeps the start fast
+
+        try:
+            ring = KeyRing.from_env(encryption_env)
+        except ConfigurationError as exc:
+            raise _fail(str(exc), 2) from None
     with _store(url, create=False) as store, _refusals():
-        record = admin.Admin(store).resolve(
+        record = admin.Admin(store, encryption=ring).resolve(
             scope,
             fail,
             force=force,

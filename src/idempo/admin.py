@@ -36,6 +36,7 @@ from ._http.principals import default_principal
 from ._http.problems import problem
 from ._http.response import encode_response
 from ._http.stored_text import stored_text
+from .encryption import KeyRing, record_context
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -326,6 +327,7 @@ def _resolve(
     ttl: timedelta,
     fmt: ResolveFormat,
     http_status: int,
+    ring: KeyRing | None = None,
 ) -> _Flow[Record]:
     if not isinstance(reason, str) or not reason.strip():
         raise ConfigurationError("a resolution needs a reason (what the caller will be told)")
@@ -334,6 +336,8 @@ def _resolve(
     if ttl <= timedelta(0):
         raise ConfigurationError("ttl must be positive")
     body = _problem_body(scope, reason, fmt, http_status)
+    if ring is not None:  # sealed as the app's guard seals, or it would refuse the answer
+        body = ring.seal(body, record_context(scope, Status.FAILED.value))
     record: Record | None = yield _Ask("get", (scope,))
     if record is None:
         raise NoRecordError(scope)
@@ -377,6 +381,9 @@ class Admin:
     Args:
         store: any `Store`; listing needs its optional ``scan`` verb (every store idempo
             ships has it).
+        encryption: the app's `idempo.encryption.KeyRing`, when its guard has one: a
+            resolved answer is then sealed as the guard seals (which refuses plaintext).
+            Listing and `inspect` show records as stored (responses sealed).
 
     >>> from idempo.stores.memory import MemoryStore
     >>> store = MemoryStore(); scope = Scope.of("k1", operation="charge")
@@ -388,8 +395,9 @@ class Admin:
     <Status.FAILED: 'failed'>
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, encryption: KeyRing | None = None) -> None:
         self.store = store
+        self.encryption = encryption
 
     def _run(self, flow: _Flow[T]) -> T:
         return drive(flow, lambda ask: _call(self.store, ask))
@@ -455,7 +463,9 @@ class Admin:
         Raises:
             NoRecordError: no record. NotInProgressError: it is settled already.
         """
-        return self._run(_resolve(scope, reason, force, now, ttl, format, http_status))
+        return self._run(
+            _resolve(scope, reason, force, now, ttl, format, http_status, self.encryption)
+        )
 
 
 def _inspect(scope: Scope) -> _Flow[Record | None]:
@@ -472,8 +482,9 @@ class AsyncAdmin:
     []
     """
 
-    def __init__(self, store: AsyncStore) -> None:
+    def __init__(self, store: AsyncStore, *, encryption: KeyRing | None = None) -> None:
         self.store = store
+        self.encryption = encryption
 
     async def _run(self, flow: _Flow[T]) -> T:
         return await adrive(flow, lambda ask: _call(self.store, ask))
@@ -516,7 +527,9 @@ class AsyncAdmin:
         http_status: int = 500,
     ) -> Record:
         """See `Admin.resolve`."""
-        return await self._run(_resolve(scope, reason, force, now, ttl, format, http_status))
+        return await self._run(
+            _resolve(scope, reason, force, now, ttl, format, http_status, self.encryption)
+        )
 
 
 def listed(records: list[Record], *, now: datetime | None = None) -> list[dict[str, Any]]:

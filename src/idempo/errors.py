@@ -7,6 +7,7 @@
     │   ├── StoreUnavailableError          cannot reach the store (connection, timeout): retry later
     │   ├── SchemaMissingError             the records table is not there: run `idempo migrate`
     │   └── CorruptRecordError             a stored record cannot be decoded: evict it
+    │       └── UndecryptableRecordError   an encrypted record the key ring cannot open
     ├── InvalidKeyError (400)              key empty, too long or not printable ASCII
     │   └── MissingKeyError (400)          a key is required and the request has none
     ├── RequestTooLargeError (413)         a request body over the limit for guarded requests
@@ -51,6 +52,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "TransactionOwnershipError",
+    "UndecryptableRecordError",
     "UnserializableResultError",
     "VersionConflictError",
 ]
@@ -110,6 +112,24 @@ class CorruptRecordError(StoreError):
     Nothing was executed and nothing is replayed. Every retry gets this error until the record
     is evicted: ``idempo evict URL KEY --operation OP --principal P`` or ``store.evict(scope)``.
     """
+
+
+class UndecryptableRecordError(CorruptRecordError):
+    """A stored record (its response, or its recovery point) is encrypted and the guard's
+    `idempo.encryption.KeyRing` cannot open it: its key id is not in the ring (a key removed
+    while records it sealed were still kept, or a guard given no ring at all), its bytes were
+    altered or copied from another scope, or the ring refuses a record stored in plaintext.
+
+    As for any corrupt record, nothing was executed and nothing is replayed, on every retry:
+    put the missing key back in the ring (or evict the record).
+
+    Attributes:
+        key_id: the id of the key the record was sealed with, when its header could be read.
+    """
+
+    def __init__(self, message: str, *, key_id: str | None = None) -> None:
+        super().__init__(message)
+        self.key_id = key_id
 
 
 class InvalidKeyError(IdempotencyError):

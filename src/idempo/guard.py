@@ -64,6 +64,7 @@ from ._core.observed import AsyncObserved, Observed
 from ._core.progress import NO_PROGRESS, Progress
 from ._core.record import Record, Status
 from ._core.renewal import Renewal, ThreadRenewal
+from .encryption import KeyRing, SealedCodec, point_is_sealed, refuse_sealed, unreadable
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -73,6 +74,7 @@ from .errors import (
     ReplayedFailureError,
     RequestInProgressError,
     StoreError,
+    UndecryptableRecordError,
 )
 from .events import Emitter, Kind, Observer, Surface, dormancy
 from .policy import Policy
@@ -375,6 +377,8 @@ class _Pending(Generic[T]):
     _run: Execute  # once the work runs: its recovery point is kept current for the flow
     # Set only when someone observes the guard (`idempo.events`): the unit is then observed.
     _observed: Observed | None = None
+    # The recovery point of a taken-over record, opened (`_open_point`); None: no steps.
+    _point: str | None = None
 
     def __init__(
         self,
@@ -411,7 +415,7 @@ class _Pending(Generic[T]):
                 self._scope,
                 replayed=False,
                 token=step.token,
-                recovery_point=step.recovery_point,
+                recovery_point=self._point,
             )
             self._token = step.token
             self._run = step
@@ -429,20 +433,43 @@ class _Pending(Generic[T]):
                 self._renewal = self._renewal_class(attempt, self._every, _logger)  # type: ignore[arg-type]
                 self._renewal.start()
             return attempt
-        assert step.record is not None, "the flow ended before the work with nothing to replay"
+        record = step.record
+        assert record is not None, "the flow ended before the work with nothing to replay"
         self._flow = None  # a replay holds nothing
+        if self._guard.encryption is None:
+            refuse_sealed(record)  # never sealed bytes handed to a serializer as they are
         self.attempt = self._attempt_class(
-            self._scope, replayed=True, result=self._codec.decode(step.record)
+            self._scope, replayed=True, result=self._codec.decode(record)
         )
         observed = self._observed
         if observed is not None:
-            observed.report(
-                Kind.REPLAYED, token=step.record.token, store_seconds=observed.store_seconds
-            )
+            observed.report(Kind.REPLAYED, token=record.token, store_seconds=observed.store_seconds)
         return self.attempt
 
     def _begin(self) -> Any:
         raise NotImplementedError
+
+    def _open_point(self, step: Execute) -> UndecryptableRecordError | None:
+        """Open the recovery point of a record taken over (as `_point`), or say why it cannot
+        be: the caller then ends the lease, keeping the point, and raises the error, so the
+        steps it names never run again until the key ring opens it."""
+        point = step.recovery_point
+        ring = self._guard.encryption
+        try:
+            if ring is not None:
+                self._point = ring.open_point(point, self._scope)  # type: ignore[arg-type]
+            elif point_is_sealed(point):
+                raise unreadable(
+                    self._scope,
+                    "recovery point",
+                    UndecryptableRecordError("it is encrypted, and this guard has no key ring"),
+                )
+            else:
+                self._point = point
+        except UndecryptableRecordError as exc:
+            self._run = step
+            return exc
+        return None
 
     def _events(self) -> Emitter:
         """This call's emitter; made on the spot for a decision worth reporting even when
@@ -510,6 +537,9 @@ class _Pending(Generic[T]):
     def _checkpoint(self, point: str) -> Any:
         policy = self._policy
         verb = checkpoint(self._unit)
+        ring = self._guard.encryption
+        if ring is not None:
+            point = ring.seal_point(point, self._scope)
         # Before the call: one whose answer is lost may still have recorded the step, and a
         # failure from here on must not forget it (flow.py, _outcome).
         self._run.recovery_point = point
@@ -547,7 +577,13 @@ class Handle(_Pending[T]):
         # Typed locals, not cast(): this runs on every call, and casts are calls.
         flow: Flow = self._flow  # type: ignore[assignment]
         try:
-            attempt: Attempt[T] = self._started(pump(flow, self._unit, self._policy, next(flow)))
+            step = pump(flow, self._unit, self._policy, next(flow))
+            if isinstance(step, Execute) and step.recovery_point is not None:
+                unopened = self._open_point(step)
+                if unopened is not None:
+                    self._exit(type(unopened), unopened, None)  # the lease ends, the point stays
+                    raise unopened
+            attempt: Attempt[T] = self._started(step)
         except BaseException as exc:
             self._refused(exc)
             raise
@@ -652,9 +688,13 @@ class AsyncHandle(_Pending[T]):
     async def _enter(self) -> AsyncAttempt[T]:
         flow: Flow = self._flow  # type: ignore[assignment]
         try:
-            attempt: AsyncAttempt[T] = self._started(
-                await apump(flow, self._unit, self._policy, next(flow))
-            )
+            step = await apump(flow, self._unit, self._policy, next(flow))
+            if isinstance(step, Execute) and step.recovery_point is not None:
+                unopened = self._open_point(step)
+                if unopened is not None:
+                    await self._exit(type(unopened), unopened, None)
+                    raise unopened
+            attempt: AsyncAttempt[T] = self._started(step)
         except BaseException as exc:
             self._refused(exc)
             raise
@@ -805,7 +845,13 @@ class _Guard(Generic[OnceT, BegunT]):
         *,
         observers: Iterable[Observer] = (),
         reveal_keys: bool = False,
+        encryption: KeyRing | None = None,
     ) -> None:
+        if encryption is not None and not isinstance(encryption, KeyRing):
+            raise ConfigurationError(
+                f"encryption= takes an idempo.encryption.KeyRing, not {type(encryption).__name__}"
+            )
+        self.encryption = encryption
         self.store = store
         self.policy = policy or Policy()
         # Checked once: a runtime Protocol check costs more than a round trip's worth of
@@ -911,6 +957,9 @@ class _Guard(Generic[OnceT, BegunT]):
         scope = Scope.of(key, operation=operation, principal=principal)
         unit = self._unit(conn, mode)
         codec = codec or FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
+        ring = self.encryption
+        if ring is not None:
+            codec = SealedCodec(codec, ring, scope)  # sealed for this scope only
         every = self._renewal_period(renew_every, held=conn is not None and mode == "transactional")
         return self._once(unit, scope, payload, self.policy, codec, every, self, surface)
 
@@ -1053,6 +1102,10 @@ class Idempotency(_Guard[_Once[Any], Handle[Any]]):
             and metrics of them). With none, a call builds no event.
         reveal_keys: put raw keys in events and log lines; by default they carry
             `idempo.events.key_digest` only.
+        encryption: an `idempo.encryption.KeyRing`: every stored result and recovery point
+            is sealed with AES-256-GCM and bound to its scope (docs/data-at-rest.md). A
+            record it cannot open raises `UndecryptableRecordError`: never replayed, never
+            run again.
 
     >>> from idempo.stores.memory import MemoryStore
     >>> idem = Idempotency(MemoryStore())
@@ -1076,8 +1129,11 @@ class Idempotency(_Guard[_Once[Any], Handle[Any]]):
         *,
         observers: Iterable[Observer] = (),
         reveal_keys: bool = False,
+        encryption: KeyRing | None = None,
     ) -> None:
-        super().__init__(store, policy, observers=observers, reveal_keys=reveal_keys)
+        super().__init__(
+            store, policy, observers=observers, reveal_keys=reveal_keys, encryption=encryption
+        )
 
     @overload
     def idempotent(
@@ -1127,8 +1183,11 @@ class AsyncIdempotency(_Guard[_AsyncOnce[Any], Coroutine[Any, Any, AsyncHandle[A
         *,
         observers: Iterable[Observer] = (),
         reveal_keys: bool = False,
+        encryption: KeyRing | None = None,
     ) -> None:
-        super().__init__(store, policy, observers=observers, reveal_keys=reveal_keys)
+        super().__init__(
+            store, policy, observers=observers, reveal_keys=reveal_keys, encryption=encryption
+        )
 
     @overload
     def idempotent(

@@ -40,6 +40,7 @@ from ._http.per_route import (
     not_idempotent,
     rule_of,
 )
+from ._http.redact import REDACTED, redact_headers, redact_json
 from ._http.response import HttpResponse, UnkeptResponse
 from ._http.routes import NO_ROUTE, NoRoute, RouteTemplate
 from ._reexport import publish
@@ -49,6 +50,7 @@ __all__ = [
     "KEY_HEADER",
     "NO_ROUTE",
     "READ_HEADERS",
+    "REDACTED",
     "Admission",
     "AsyncRun",
     "Header",
@@ -76,6 +78,8 @@ __all__ = [
     "json_field",
     "not_idempotent",
     "read_limited",
+    "redact_headers",
+    "redact_json",
     "reserve",
     "rule_of",
 ]
@@ -107,5 +111,7 @@ publish(
     header_values,
     headers_named,
     read_limited,
+    redact_headers,
+    redact_json,
     reserve,
 )

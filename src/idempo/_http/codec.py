@@ -10,11 +10,16 @@ from .._core.keys import evict_hint
 from .._core.record import Record, Status
 from ..errors import CorruptRecordError
 from .problems import problem
+from .redact import with_length
 from .response import HttpResponse, UnkeptResponse, decode_response, encode_response
 
 Classifier = Callable[[int], Status | None]
 """Decides what a response status means: COMPLETED or FAILED (stored and replayed), or None
 (transient: the key is released and a retry executes again)."""
+
+Redactor = Callable[[HttpResponse], HttpResponse]
+"""What of a response is stored: the first caller gets the response itself, every replay
+the redacted one (`idempo.http.redact_headers`, `idempo.http.redact_json`)."""
 
 _TRANSIENT_4XX = frozenset({408, 409, 425, 429})
 
@@ -40,15 +45,22 @@ class HttpCodec:
     The block's result is an `HttpResponse` (stored per ``classify``), an `UnkeptResponse`
     (recorded as a FAILED 500 problem if its status would have been stored, so a retry does
     not execute again), or None (the app sent no whole response: the key is released).
-    Exceptions release the key.
+    Exceptions release the key. ``redact``, when given, makes what is stored of a response
+    (`Redactor`); a ``Content-Length`` it leaves behind is set to the body it returns.
+
+    >>> from idempo.http import redact_headers
+    >>> codec = HttpCodec(redact=redact_headers("x-api-key"))
+    >>> codec.encode_result(HttpResponse(201, ((b"x-api-key", b"sk_live_1"),), b"{}"))[1]
+    b'{"v":1,"status":201,"headers":[]}\\n{}'
     """
 
     classify: Classifier = field(default=classify_status)
+    redact: Redactor | None = None
 
     def encode_result(self, value: Any) -> tuple[Status | None, bytes]:
         if isinstance(value, HttpResponse):
             status = self.classify(value.status)
-            return status, (encode_response(value.shareable()) if status is not None else b"")
+            return status, (encode_response(self.stored(value)) if status is not None else b"")
         if isinstance(value, UnkeptResponse) and self.classify(value.status) is not None:
             detail = (
                 f"The request was processed and answered {value.status}, but its response "
@@ -57,6 +69,17 @@ class HttpCodec:
             )
             return Status.FAILED, encode_response(_not_stored(detail))
         return None, b""
+
+    def stored(self, response: HttpResponse) -> HttpResponse:
+        """What is kept of ``response``: its shareable part, redacted."""
+        shared = response.shareable()
+        redact = self.redact
+        if redact is None:
+            return shared
+        redacted = redact(shared)
+        if not isinstance(redacted, HttpResponse):
+            raise TypeError(f"redact= returned {type(redacted).__name__}, not an HttpResponse")
+        return with_length(redacted)
 
     def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
         return None, b""

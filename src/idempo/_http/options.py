@@ -18,13 +18,14 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypedDict, TypeVar
 
+from ..encryption import KeyRing
 from ..errors import ConfigurationError
 from ..events import Observer
 from ..guard import AsyncIdempotency, Idempotency
 from ..policy import Policy
 from ..stores import AsyncStore, open_async_store, open_store
 from ..stores.base import AsyncTransactionalStore, Mode, Store, TransactionalStore
-from .codec import Classifier, HttpCodec, classify_status
+from .codec import Classifier, HttpCodec, Redactor, classify_status
 from .fingerprint import DEFAULT_FINGERPRINT_FIELDS, FingerprintField
 from .per_route import KeyHook, PathRules
 from .principals import Principals
@@ -60,6 +61,8 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
         observers: with ``store``: `idempo.events` observers of every decision (an
             `idempo.otel.OpenTelemetryObserver`, an audit hook). A shared guard has its own.
         reveal_keys: with ``store``: events and log lines carry raw keys (default: digests).
+        encryption: with ``store``: an `idempo.encryption.KeyRing`; every stored response
+            is sealed with AES-256-GCM (docs/data-at-rest.md). A shared guard has its own.
         methods: the guarded methods (POST and PATCH); others pass through untouched.
         require_key: answer 400 to a guarded request without a key; if False such a request
             passes through without idempotency. A route may say otherwise
@@ -97,6 +100,9 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
             instead of answering 503.
         classify: which statuses are stored (COMPLETED/FAILED) and which release the key
             (None); defaults to SPEC §2 rule 7.
+        redact: what of a response is stored and replayed: ``HttpResponse -> HttpResponse``
+            (`idempo.http.redact_headers`, `idempo.http.redact_json`); the first caller gets
+            the endpoint's own response, every replay the redacted one.
         max_retry_after: the most a 409's ``Retry-After`` says, in seconds.
         in_progress_status: the answer to a duplicate of a request still running: 409
             Conflict (default) or 202 Accepted, both with ``Retry-After`` and the
@@ -121,6 +127,7 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
     lease: float | timedelta | None
     observers: Sequence[Observer]
     reveal_keys: bool
+    encryption: KeyRing | None
     methods: Collection[str]
     require_key: bool
     include: Collection[str]
@@ -138,6 +145,7 @@ class HttpOptions(TypedDict, Generic[RequestT], total=False):
     replay_status_200: bool
     fail_open: bool
     classify: Classifier
+    redact: Redactor | None
     max_retry_after: int
     in_progress_status: int
     mismatch_status: int
@@ -206,7 +214,7 @@ class HttpSettings:
         self.fingerprint_headers = tuple(name.lower() for name in get("fingerprint_headers", ()))
         self.replay_status_200: bool = get("replay_status_200", False)
         self.fail_open: bool = get("fail_open", False)
-        self.codec = HttpCodec(get("classify", classify_status))
+        self.codec = HttpCodec(get("classify", classify_status), get("redact"))
         self.renew_every = self.idempotency.policy.lease.total_seconds() / 3
         self.mode: Mode = get("mode", "transactional")
         self.connection: Any = get("connection")
@@ -309,7 +317,7 @@ def http_policy(
     return policy
 
 
-_OWN_GUARD = ("policy", "lease", "observers", "reveal_keys")
+_OWN_GUARD = ("policy", "lease", "observers", "reveal_keys", "encryption")
 """The options that build the middleware's own guard: they go with ``store=``."""
 
 
@@ -331,6 +339,7 @@ def _guard_options(options: Mapping[str, Any], s: HttpSettings) -> dict[str, Any
         "policy": policy,
         "observers": tuple(options.get("observers") or ()),
         "reveal_keys": bool(options.get("reveal_keys", False)),
+        "encryption": options.get("encryption"),
     }
 
 
