@@ -32,12 +32,9 @@ import argparse
 import asyncio
 import cProfile
 import io
-import os
 import pstats
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +45,7 @@ from types import FrameType
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _measure import callgrind_count
 from asgi_middleware import BODY, build_app, migrate  # the real bench's app, not a copy
 
 KINDS = {"bare": "bare", "memory": "idempo_memory", "sqlite": "idempo_sqlite"}
@@ -245,27 +243,16 @@ def instructions(names: list[str], small: int, large: int, loop: str) -> None:
     print(f"{'scenario':<16}{'instr/req':>11}{'overhead':>11}")
     base: float | None = None
     for name in names:
-        counts = [_callgrind(valgrind, name, n, loop) for n in (small, large)]
+        args = ["--only", name, "--rounds", "1", "--no-warmup", "--loop", loop]
+        counts = [
+            callgrind_count(valgrind, __file__, [*args, "--requests", str(n)])
+            for n in (small, large)
+        ]
         per = (counts[1] - counts[0]) / (large - small)
         if name == "bare":
             base = per
         extra = f"{per - base:>11.0f}" if base is not None and name != "bare" else ""
         print(f"{name:<16}{per:>11.0f}{extra}", flush=True)
-
-
-def _callgrind(valgrind: str, name: str, n: int, loop: str) -> int:
-    with tempfile.TemporaryDirectory(prefix="idempo-callgrind-") as tmp:
-        out = Path(tmp, "callgrind.out")
-        cmd = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}"]
-        cmd += [sys.executable, __file__, "--only", name, "--requests", str(n)]
-        cmd += ["--rounds", "1", "--no-warmup", "--loop", loop]
-        # Hash randomisation changes dict layouts, and with them the counts.
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        subprocess.run(cmd, check=True, capture_output=True, env=env)
-        summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.MULTILINE)
-        if summary is None:
-            raise RuntimeError("no summary line in callgrind's output")
-        return int(summary.group(1))
 
 
 def run_loop(coro: Any, loop: str) -> Any:

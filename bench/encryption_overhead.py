@@ -20,14 +20,10 @@ which no load changes.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import secrets
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -36,6 +32,9 @@ from typing import Any
 
 from idempo import Idempotency
 from idempo.encryption import KeyRing, generate_key
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import callgrind_count, scratch_postgres_store  # the bench scripts' own
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 STORES = ["memory", "postgres"]
@@ -49,27 +48,7 @@ def _memory(_stack: ExitStack, _dsn: str) -> Any:
     return MemoryStore()
 
 
-def _postgres(stack: ExitStack, dsn: str) -> Any:
-    import psycopg
-
-    from idempo.stores.postgres import PostgresStore
-
-    schema = f"bench_{secrets.token_hex(4)}"
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(f"CREATE SCHEMA {schema}")
-
-    def drop() -> None:
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(f"DROP SCHEMA {schema} CASCADE")
-
-    stack.callback(drop)
-    store = PostgresStore(dsn, table=f"{schema}.idempo_records", max_size=2)
-    stack.callback(store.close)
-    store.migrate()
-    return store
-
-
-BUILDERS = {"memory": _memory, "postgres": _postgres}
+BUILDERS = {"memory": _memory, "postgres": scratch_postgres_store}
 
 
 def _call(idem: Idempotency, operation: str, result: dict[str, Any]) -> Call:
@@ -147,24 +126,13 @@ def instructions(names: list[str], size: int, dsn: str, small: int, large: int) 
             per_call = []
             for variant in ("plain", "sealed"):
                 spec = f"{store_name}:{scenario}:{variant}"
-                counts = [_callgrind(valgrind, spec, n, size, dsn) for n in (small, large)]
+                args = ["--single", spec, "--result-bytes", str(size), "--dsn", dsn]
+                counts = [
+                    callgrind_count(valgrind, __file__, [*args, "--calls", str(n)])
+                    for n in (small, large)
+                ]
                 per_call.append((counts[1] - counts[0]) / (large - small) / 1000)
             _line(f"{store_name}_{scenario}", *per_call, "k instructions")
-
-
-def _callgrind(valgrind: str, spec: str, n: int, size: int, dsn: str) -> int:
-    with tempfile.TemporaryDirectory(prefix="idempo-callgrind-") as tmp:
-        out = Path(tmp, "callgrind.out")
-        cmd = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-        cmd += [__file__, "--single", spec, "--calls", str(n), "--result-bytes", str(size)]
-        cmd += ["--dsn", dsn]
-        # Hash randomisation changes dict layouts, and with them the counts.
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        subprocess.run(cmd, check=True, capture_output=True, env=env)
-        summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.MULTILINE)
-        if summary is None:
-            raise RuntimeError("no summary line in callgrind's output")
-        return int(summary.group(1))
 
 
 def main() -> None:

@@ -23,12 +23,9 @@ on the baseline tree with ``PYTHONPATH=/work/baseline/src``.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import secrets
 import shutil
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from idempo import Idempotency
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import callgrind_count, scratch_postgres_store  # the bench scripts' own
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 BASES = ["memory", "sqlite", "sqlite_tx", "postgres", "postgres_tx"]
@@ -75,20 +75,7 @@ def _sqlite(stack: ExitStack, tmp: str, _dsn: str, tx: bool) -> Call:
 def _postgres(stack: ExitStack, _tmp: str, dsn: str, tx: bool) -> Call:
     import psycopg
 
-    from idempo.stores.postgres import PostgresStore
-
-    schema = f"bench_{secrets.token_hex(4)}"
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(f"CREATE SCHEMA {schema}")
-
-    def drop() -> None:
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(f"DROP SCHEMA {schema} CASCADE")
-
-    stack.callback(drop)
-    store = PostgresStore(dsn, table=f"{schema}.idempo_records", max_size=2)
-    stack.callback(store.close)
-    store.migrate()
+    store = scratch_postgres_store(stack, dsn)
     conn = stack.enter_context(psycopg.connect(dsn)) if tx else None
     return _guard(Idempotency(store), conn)
 
@@ -131,22 +118,11 @@ def instructions(names: list[str], small: int, large: int, dsn: str) -> None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     print(f"{'scenario':<20}{'instr/call':>12}")
     for name in names:
-        counts = [_callgrind(valgrind, name, n, dsn) for n in (small, large)]
+        args = ["--only", name, "--dsn", dsn]
+        counts = [
+            callgrind_count(valgrind, __file__, [*args, "--calls", str(n)]) for n in (small, large)
+        ]
         print(f"{name:<20}{(counts[1] - counts[0]) / (large - small):>12.0f}", flush=True)
-
-
-def _callgrind(valgrind: str, name: str, n: int, dsn: str) -> int:
-    with tempfile.TemporaryDirectory(prefix="idempo-callgrind-") as tmp:
-        out = Path(tmp, "callgrind.out")
-        cmd = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}"]
-        cmd += [sys.executable, __file__, "--only", name, "--calls", str(n), "--dsn", dsn]
-        # Hash randomisation changes dict layouts, and with them the counts.
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        subprocess.run(cmd, check=True, capture_output=True, env=env)
-        summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.MULTILINE)
-        if summary is None:
-            raise RuntimeError("no summary line in callgrind's output")
-        return int(summary.group(1))
 
 
 def main() -> None:

@@ -15,11 +15,8 @@ counted; deterministic however loaded the machine is.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from idempo import Idempotency
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import callgrind_count  # the bench scripts' own
 
 STORES = ["memory", "memory_replay", "sqlite"]
 OBSERVERS = ["none", "api", "sdk"]
@@ -88,19 +88,6 @@ def run(name: str, calls: int) -> float:
         return (time.perf_counter() - start) / calls
 
 
-def _callgrind(valgrind: str, name: str, n: int) -> int:
-    with tempfile.TemporaryDirectory(prefix="idempo-callgrind-") as tmp:
-        out = Path(tmp, "callgrind.out")
-        cmd = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}"]
-        cmd += [sys.executable, __file__, "--only", name, "--calls", str(n), "--time"]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}  # dict layouts change the counts
-        subprocess.run(cmd, check=True, capture_output=True, env=env)
-        summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.MULTILINE)
-        if summary is None:
-            raise RuntimeError("no summary line in callgrind's output")
-        return int(summary.group(1))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--only", help="comma-separated scenarios: " + ", ".join(SCENARIOS))
@@ -122,7 +109,10 @@ def main() -> None:
     small, large = (int(n) for n in args.counts.split(","))
     print(f"{'scenario':<22}{'instr/call':>12}")
     for name in names:
-        counts = [_callgrind(valgrind, name, n) for n in (small, large)]
+        args = ["--only", name, "--time"]
+        counts = [
+            callgrind_count(valgrind, __file__, [*args, "--calls", str(n)]) for n in (small, large)
+        ]
         print(f"{name:<22}{(counts[1] - counts[0]) / (large - small):>12.0f}", flush=True)
 
 

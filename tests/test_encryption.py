@@ -61,7 +61,9 @@ from idempo.encryption import (
     generate_key,
     is_sealed,
     record_context,
+    sealed_key_id,
 )
+from idempo.guard import FunctionCodec
 from idempo.http import HttpResponse, HttpSettings
 from idempo.serializers import JsonSerializer
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
@@ -296,11 +298,8 @@ def _stored(store: Any, key: str) -> Record:
     return record
 
 
-def _key_id(record: Record) -> str:
-    response = record.response
-    assert response is not None
-    assert is_sealed(response)
-    return response[len(MAGIC) + 2 : len(MAGIC) + 2 + response[len(MAGIC) + 1]].decode()
+def _key_id(record: Record) -> str | None:
+    return sealed_key_id(record.response)
 
 
 def test_rotation_keeps_old_records_replayable_until_their_key_is_removed(
@@ -473,6 +472,38 @@ def test_a_sealed_recovery_point_resumes_and_an_unopenable_one_never_reruns_step
     assert done == ["charge", "ship"]  # resumed after the step: never charged twice
 
 
+class CountsEveryErrorAsAFailure(FunctionCodec):
+    """A surface codec that records every exception as FAILED (a consumer whose ``fail_on``
+    is ``Exception``)."""
+
+    def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
+        return Status.FAILED, self.encode_unstorable(exc)
+
+
+def test_an_unopenable_recovery_point_is_never_recorded_as_a_failure(
+    node_store: Any, clock: FakeClock
+) -> None:
+    """Whatever the surface counts as a failure: the refusal is no outcome of the work."""
+    policy = Policy(lease=LEASE, clock=clock)
+    with pytest.raises(Boom):
+        _steps(Idempotency(node_store, policy, encryption=ring_a()), "o-1", [], fail=True)
+    scope = Scope.of("o-1", operation="place-order")
+    kept = node_store.get(scope)
+    strict = CountsEveryErrorAsAFailure(JsonSerializer(), ())
+    for guard in (
+        Idempotency(node_store, policy, encryption=ring_b()),
+        Idempotency(node_store, policy),
+    ):
+        with (
+            pytest.raises(UndecryptableRecordError),
+            guard.once("o-1", operation="place-order", payload={"order": 7}, codec=strict),
+        ):
+            pytest.fail("the steps ran again")
+        after = node_store.get(scope)
+        assert (after.status, after.response) == (Status.IN_PROGRESS, None)
+        assert after.recovery_point == kept.recovery_point
+
+
 @pytest.mark.anyio
 async def test_async_recovery_points_are_sealed(clock: FakeClock) -> None:
     store = AsyncMemoryStore()
@@ -546,6 +577,7 @@ def test_http_answers_corrupt_record_for_a_record_it_cannot_open(face: str) -> N
         assert answer.headers["content-type"] == "application/problem+json"
         problem = json.loads(_body(answer))
         assert problem["type"] == "urn:idempo:problem:corrupt-record"
+        assert "key ring cannot open it" in problem["detail"]
         assert SECRET not in _body(answer).decode()
         assert records.get(Scope.of("key-1", operation="POST /keys")) == stored
     again = _post(make(count, store=store, encryption=ring_ab()))
@@ -718,6 +750,28 @@ def test_an_operators_resolution_is_sealed_for_a_guard_with_a_ring(
     assert refused.exit_code == 2
     assert "NO_SUCH_VARIABLE holds no encryption keys" in refused.output
     store.close()
+
+
+def test_inspect_shows_a_sealed_response_by_its_key_id(tmp_path: Any) -> None:
+    url = f"sqlite:///{tmp_path}/ops.db"
+    store = open_store(url)
+    store.migrate()
+    runs: list[str] = []
+    _charge(Idempotency(store, encryption=ring_a()), "k-1", runs)
+    store.close()
+    runner = CliRunner()
+    shown = runner.invoke(cli.app, ["inspect", url, "k-1", "--operation", "charge"])
+    assert shown.exit_code == 0, shown.output
+    assert "sealed with key '2026-06'" in shown.output
+    data = json.loads(
+        runner.invoke(cli.app, ["inspect", url, "k-1", "--operation", "charge", "--json"]).output
+    )
+    assert (data["status"], data["response_sealed_with"], data["response_text"]) == (
+        "completed",
+        "2026-06",
+        None,
+    )
+    assert SECRET not in shown.output + json.dumps(data)
 
 
 def test_a_consumer_seals_through_its_guard_and_requeues_what_it_cannot_open() -> None:

@@ -24,6 +24,7 @@ from . import admin
 from ._core.keys import Scope
 from .cli import NOT_FOUND, _fail, _redacted, _reported, _store, app, console
 from .doctor import Level, diagnose, parse_duration
+from .encryption import KeyRing
 from .errors import ConfigurationError, FencedError
 
 REFUSED = 4
@@ -188,8 +189,6 @@ def resolve(
         raise _fail(f"--format is auto, http or function, not {format!r}", 2)
     ring = None
     if encryption_env is not None:
-        from .encryption import KeyRing  # noqa: PLC0415 - keeps the start fast
-
         try:
             ring = KeyRing.from_env(encryption_env)
         except ConfigurationError as exc:

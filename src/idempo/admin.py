@@ -36,7 +36,7 @@ from ._http.principals import default_principal
 from ._http.problems import problem
 from ._http.response import encode_response
 from ._http.stored_text import stored_text
-from .encryption import KeyRing, record_context
+from .encryption import KeyRing, record_context, sealed_key_id
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -182,7 +182,8 @@ def _lease_live(record: Record, now: datetime) -> bool:
 def record_dict(record: Record, *, now: datetime | None = None) -> dict[str, Any]:
     """``record`` as JSON-ready data (what ``--json`` prints): times in ISO 8601, the lease
     judged at ``now`` (default: this host's clock), the response (when the record was read
-    whole) as base64 and, when it is UTF-8, as text too.
+    whole) as base64 and, when it is UTF-8, as text too; a response sealed by a key ring
+    (`idempo.encryption`) as its key id, ``response_sealed_with``, and no text.
 
     >>> from idempo.stores.memory import MemoryStore
     >>> store = MemoryStore(); scope = Scope.of("k1", operation="charge")
@@ -215,8 +216,10 @@ def record_dict(record: Record, *, now: datetime | None = None) -> dict[str, Any
         body = bytes(record.response)
         data["response_bytes"] = len(body)
         data["response_base64"] = base64.b64encode(body).decode()
+        data["response_sealed_with"] = key_id = sealed_key_id(body)
         try:
-            data["response_text"] = body.decode("utf-8")
+            # Ciphertext that happens to decode would only be noise.
+            data["response_text"] = None if key_id is not None else body.decode("utf-8")
         except UnicodeDecodeError:
             data["response_text"] = None
     return data

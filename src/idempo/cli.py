@@ -30,6 +30,7 @@ from rich.text import Text
 
 from . import __version__
 from ._core.keys import Scope
+from .encryption import sealed_key_id
 from .errors import ConfigurationError, InvalidKeyError, SchemaMissingError, StoreError
 from .stores import MIGRATE_HINT, open_store
 
@@ -383,7 +384,9 @@ def inspect(
                  "updated_at", "expires_at", "recovery_point"):  # fmt: skip
         table.add_row(name, Text(str(getattr(record, name))))
     body = record.response or b""
-    table.add_row("response", Text(f"{len(body)} bytes: {body[:200]!r}"))
+    key_id = sealed_key_id(body)
+    shown = f"sealed with key {key_id!r}" if key_id is not None else repr(body[:200])
+    table.add_row("response", Text(f"{len(body)} bytes: {shown}"))
     console.print(table)
 
 

@@ -38,7 +38,7 @@ from ._core.digest import key_ref
 from ._core.keys import Scope, evict_hint
 from ._core.record import Record, Status
 from ._optional import optional_import
-from .errors import ConfigurationError, CorruptRecordError, UndecryptableRecordError
+from .errors import ConfigurationError, UndecryptableRecordError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -50,6 +50,7 @@ __all__ = [
     "generate_key",
     "is_sealed",
     "record_context",
+    "sealed_key_id",
 ]
 
 MAGIC = b"\x00idmp"
@@ -80,6 +81,32 @@ def is_sealed(data: bytes | None) -> bool:
     (False, False)
     """
     return data is not None and data[: len(MAGIC)] == MAGIC
+
+
+def sealed_key_id(data: bytes | None) -> str | None:
+    """The id of the key that sealed ``data``, read from its header (what ``idempo inspect``
+    shows); None for bytes that are not sealed, or whose header this version cannot read.
+
+    >>> ring = KeyRing({"2026-12": generate_key()})
+    >>> sealed_key_id(ring.seal(b"{}", b"")), sealed_key_id(b"{}")
+    ('2026-12', None)
+    """
+    if data is None or not is_sealed(data):
+        return None
+    try:
+        return _key_id_of(data)
+    except UndecryptableRecordError:
+        return None
+
+
+def _key_id_of(data: bytes) -> str:
+    """The key id in a sealed header (``data`` starts with `MAGIC`)."""
+    if len(data) < _HEAD or data[len(MAGIC)] != _VERSION:
+        raise UndecryptableRecordError("its sealed format is not one this version reads")
+    try:
+        return data[_HEAD : _HEAD + data[_HEAD - 1]].decode("ascii")
+    except UnicodeDecodeError:
+        raise UndecryptableRecordError("its key id is not ASCII") from None
 
 
 def record_context(scope: Scope, what: str) -> bytes:
@@ -294,13 +321,7 @@ class KeyRing:
             raise UndecryptableRecordError(
                 "it is stored in plaintext and the key ring does not accept plaintext records"
             )
-        if len(data) < _HEAD or data[len(MAGIC)] != _VERSION:
-            raise UndecryptableRecordError("its sealed format is not one this version reads")
-        end = _HEAD + data[_HEAD - 1]
-        try:
-            key_id = data[_HEAD:end].decode("ascii")
-        except UnicodeDecodeError:
-            raise UndecryptableRecordError("its key id is not ASCII") from None
+        key_id = _key_id_of(data)
         raise UndecryptableRecordError(
             f"it was sealed with key {key_id!r}, which is not in the key ring"
             f" (it holds {', '.join(self._ciphers)})",
@@ -360,8 +381,16 @@ def refuse_sealed(record: Record) -> None:
         )
 
 
-def point_is_sealed(point: str | None) -> bool:
-    return point is not None and point.startswith(POINT_PREFIX)
+def open_plain_point(point: str, scope: Scope) -> str:
+    """For a guard with no key ring: a recovery point as it is stored, unless it is sealed
+    (an `UndecryptableRecordError`: the steps it names must not run again)."""
+    if point.startswith(POINT_PREFIX):
+        raise unreadable(
+            scope,
+            "recovery point",
+            UndecryptableRecordError("it is encrypted, and this guard has no key ring"),
+        )
+    return point
 
 
 class SealedCodec:
@@ -395,11 +424,6 @@ class SealedCodec:
         return status, self._sealed(status, body)
 
     def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
-        if isinstance(exc, CorruptRecordError):
-            # A taken-over record whose recovery point cannot be opened: never recorded as a
-            # failure, whatever the surface counts as one. The flow ends the lease and keeps
-            # the point, so nothing runs until the ring opens it again.
-            return None, b""
         status, body = self.inner.encode_error(exc)
         return status, self._sealed(status, body)
 

@@ -64,7 +64,7 @@ from ._core.observed import AsyncObserved, Observed
 from ._core.progress import NO_PROGRESS, Progress
 from ._core.record import Record, Status
 from ._core.renewal import Renewal, ThreadRenewal
-from .encryption import KeyRing, SealedCodec, point_is_sealed, refuse_sealed, unreadable
+from .encryption import KeyRing, SealedCodec, open_plain_point, refuse_sealed
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -74,7 +74,6 @@ from .errors import (
     ReplayedFailureError,
     RequestInProgressError,
     StoreError,
-    UndecryptableRecordError,
 )
 from .events import Emitter, Kind, Observer, Surface, dormancy
 from .policy import Policy
@@ -377,8 +376,6 @@ class _Pending(Generic[T]):
     _run: Execute  # once the work runs: its recovery point is kept current for the flow
     # Set only when someone observes the guard (`idempo.events`): the unit is then observed.
     _observed: Observed | None = None
-    # The recovery point of a taken-over record, opened (`_open_point`); None: no steps.
-    _point: str | None = None
 
     def __init__(
         self,
@@ -404,7 +401,9 @@ class _Pending(Generic[T]):
         self._policy = policy
         self._codec = codec
         self._every = renew_every
-        self._flow: Flow | None = guarded_call(scope, fingerprint(payload), policy, codec)
+        self._flow: Flow | None = guarded_call(
+            scope, fingerprint(payload), policy, codec, guard._open_point
+        )
         self._token = 0
         self._renewal: Any = None
 
@@ -415,7 +414,7 @@ class _Pending(Generic[T]):
                 self._scope,
                 replayed=False,
                 token=step.token,
-                recovery_point=self._point,
+                recovery_point=step.recovery_point,
             )
             self._token = step.token
             self._run = step
@@ -436,8 +435,12 @@ class _Pending(Generic[T]):
         record = step.record
         assert record is not None, "the flow ended before the work with nothing to replay"
         self._flow = None  # a replay holds nothing
-        if self._guard.encryption is None:
-            refuse_sealed(record)  # never sealed bytes handed to a serializer as they are
+        response = record.response
+        # Sealed bytes start with a NUL, which no serializer's or HTTP's stored form does: the
+        # one test a plain replay pays. Without a ring they are refused, never handed to a
+        # serializer that might replay them as they are.
+        if response and not response[0] and self._guard.encryption is None:
+            refuse_sealed(record)
         self.attempt = self._attempt_class(
             self._scope, replayed=True, result=self._codec.decode(record)
         )
@@ -448,28 +451,6 @@ class _Pending(Generic[T]):
 
     def _begin(self) -> Any:
         raise NotImplementedError
-
-    def _open_point(self, step: Execute) -> UndecryptableRecordError | None:
-        """Open the recovery point of a record taken over (as `_point`), or say why it cannot
-        be: the caller then ends the lease, keeping the point, and raises the error, so the
-        steps it names never run again until the key ring opens it."""
-        point = step.recovery_point
-        ring = self._guard.encryption
-        try:
-            if ring is not None:
-                self._point = ring.open_point(point, self._scope)  # type: ignore[arg-type]
-            elif point_is_sealed(point):
-                raise unreadable(
-                    self._scope,
-                    "recovery point",
-                    UndecryptableRecordError("it is encrypted, and this guard has no key ring"),
-                )
-            else:
-                self._point = point
-        except UndecryptableRecordError as exc:
-            self._run = step
-            return exc
-        return None
 
     def _events(self) -> Emitter:
         """This call's emitter; made on the spot for a decision worth reporting even when
@@ -577,13 +558,7 @@ class Handle(_Pending[T]):
         # Typed locals, not cast(): this runs on every call, and casts are calls.
         flow: Flow = self._flow  # type: ignore[assignment]
         try:
-            step = pump(flow, self._unit, self._policy, next(flow))
-            if isinstance(step, Execute) and step.recovery_point is not None:
-                unopened = self._open_point(step)
-                if unopened is not None:
-                    self._exit(type(unopened), unopened, None)  # the lease ends, the point stays
-                    raise unopened
-            attempt: Attempt[T] = self._started(step)
+            attempt: Attempt[T] = self._started(pump(flow, self._unit, self._policy, next(flow)))
         except BaseException as exc:
             self._refused(exc)
             raise
@@ -688,13 +663,9 @@ class AsyncHandle(_Pending[T]):
     async def _enter(self) -> AsyncAttempt[T]:
         flow: Flow = self._flow  # type: ignore[assignment]
         try:
-            step = await apump(flow, self._unit, self._policy, next(flow))
-            if isinstance(step, Execute) and step.recovery_point is not None:
-                unopened = self._open_point(step)
-                if unopened is not None:
-                    await self._exit(type(unopened), unopened, None)
-                    raise unopened
-            attempt: AsyncAttempt[T] = self._started(step)
+            attempt: AsyncAttempt[T] = self._started(
+                await apump(flow, self._unit, self._policy, next(flow))
+            )
         except BaseException as exc:
             self._refused(exc)
             raise
@@ -852,6 +823,8 @@ class _Guard(Generic[OnceT, BegunT]):
                 f"encryption= takes an idempo.encryption.KeyRing, not {type(encryption).__name__}"
             )
         self.encryption = encryption
+        # How the flow reads a taken-over record's recovery point (flow.PointOpener).
+        self._open_point = open_plain_point if encryption is None else encryption.open_point
         self.store = store
         self.policy = policy or Policy()
         # Checked once: a runtime Protocol check costs more than a round trip's worth of

@@ -27,6 +27,7 @@ from typing import Any, Protocol, cast
 
 from ..errors import (
     ConfigurationError,
+    CorruptRecordError,
     FingerprintMismatchError,
     IdempotencyError,
     RequestInProgressError,
@@ -47,10 +48,10 @@ _POLL_SECONDS = 0.05
 # Not frozen, as the ops in ops.py: made on every call, never changed.
 @dataclass(slots=True)
 class Execute:
-    """Run the work. ``recovery_point``: the steps a taken-over attempt committed, then what
-    this attempt's checkpoints record (the guard sets it before each one, so a checkpoint
-    whose answer was lost counts too): while it is set, a transient failure ends the lease
-    instead of forgetting them."""
+    """Run the work. ``recovery_point``: the steps a taken-over attempt committed (opened, as
+    the work reads them), then what this attempt's checkpoints record (the guard sets it
+    before each one, so a checkpoint whose answer was lost counts too): while it is set, a
+    transient failure ends the lease instead of forgetting them."""
 
     token: int
     recovery_point: str | None
@@ -104,8 +105,14 @@ NOT_KEPT: Any = type("NotKept", (), {"__repr__": lambda self: "NOT_KEPT"})()
 to the caller, and the key is released as for a transient failure."""
 
 
+PointOpener = Callable[[str, Scope], str]
+"""The recovery point a taken-over record stores, as the work reads it: opened by the guard's
+key ring (`idempo.encryption.KeyRing.open_point`), or refused when it cannot be, with a
+`CorruptRecordError`."""
+
+
 def guarded_call(
-    scope: Scope, fingerprint: str, policy: Policy, codec: Codec
+    scope: Scope, fingerprint: str, policy: Policy, codec: Codec, open_point: PointOpener
 ) -> Generator[Op, Any, Record | None]:
     """Run one call: returns the record to replay, or None once this call executed the work."""
     reservation = yield from _reserve(scope, fingerprint, policy)
@@ -113,6 +120,15 @@ def guarded_call(
         return reservation.record
     token = reservation.token
     run = Execute(token, reservation.recovery_point)
+    if run.recovery_point is not None:
+        try:
+            run.recovery_point = open_point(run.recovery_point, scope)
+        except CorruptRecordError as exc:
+            # The steps it names ran: none may run again, and this is no failure of the
+            # work's to record, whatever the codec counts as one. The lease ends, the point
+            # stays, and a retry that can open it resumes after them.
+            yield from _abandon(scope, run, codec, policy, exc, transient=True)
+            raise
     try:
         value = yield run
     except GeneratorExit:
@@ -154,8 +170,10 @@ def _abandon(
     exc: BaseException,
     *,
     unstorable: bool = False,
+    transient: bool = False,
 ) -> Generator[Op, Any, None]:
-    """Throw the work's writes away, then record the failure or release the key.
+    """Throw the work's writes away, then record the failure or release the key (always
+    release it, if ``transient``).
 
     Nothing of idempo's replaces the error being raised: a store that fails here leaves a
     reservation that ends with its lease (or with its transaction, when the connection
@@ -170,7 +188,9 @@ def _abandon(
     except Exception as fault:  # noqa: BLE001 - see above
         run.fault = fault
         return
-    if not unstorable:
+    if transient:
+        status, body = None, b""
+    elif not unstorable:
         status, body = codec.encode_error(exc)
     elif undone:
         # Transactional mode: every write of the work rolled back, so nothing may say it

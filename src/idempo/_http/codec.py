@@ -60,7 +60,12 @@ class HttpCodec:
     def encode_result(self, value: Any) -> tuple[Status | None, bytes]:
         if isinstance(value, HttpResponse):
             status = self.classify(value.status)
-            return status, (encode_response(self.stored(value)) if status is not None else b"")
+            if status is None:
+                return None, b""
+            # No call more than before redaction existed, for the many apps that use none.
+            redact = self.redact
+            kept = value.shareable() if redact is None else _redacted(redact, value)
+            return status, encode_response(kept)
         if isinstance(value, UnkeptResponse) and self.classify(value.status) is not None:
             detail = (
                 f"The request was processed and answered {value.status}, but its response "
@@ -69,17 +74,6 @@ class HttpCodec:
             )
             return Status.FAILED, encode_response(_not_stored(detail))
         return None, b""
-
-    def stored(self, response: HttpResponse) -> HttpResponse:
-        """What is kept of ``response``: its shareable part, redacted."""
-        shared = response.shareable()
-        redact = self.redact
-        if redact is None:
-            return shared
-        redacted = redact(shared)
-        if not isinstance(redacted, HttpResponse):
-            raise TypeError(f"redact= returned {type(redacted).__name__}, not an HttpResponse")
-        return with_length(redacted)
 
     def encode_error(self, exc: BaseException) -> tuple[Status | None, bytes]:
         return None, b""
@@ -103,3 +97,11 @@ class HttpCodec:
 
 def _not_stored(detail: str) -> HttpResponse:
     return problem(500, "response-not-stored", "Response not stored", detail)
+
+
+def _redacted(redact: Redactor, response: HttpResponse) -> HttpResponse:
+    """What is kept of ``response``: its shareable part, redacted."""
+    redacted = redact(response.shareable())
+    if not isinstance(redacted, HttpResponse):
+        raise TypeError(f"redact= returned {type(redacted).__name__}, not an HttpResponse")
+    return with_length(redacted)

@@ -20,6 +20,7 @@ from ..errors import (
     RequestTooLargeError,
     SchemaMissingError,
     StoreError,
+    UndecryptableRecordError,
 )
 from .keys import Header
 from .response import HttpResponse
@@ -132,6 +133,17 @@ def problem_for(
                 "Idempotency-Key took over; its answer was not stored. Retry with the same "
                 "key to receive the answer of the attempt that holds it.",
                 headers=[_retry_after(max_retry_after)],
+            )
+        case UndecryptableRecordError():
+            return problem(
+                503,
+                "corrupt-record",
+                "Stored idempotency record unreadable",
+                "The request was not processed: the record stored for this Idempotency-Key "
+                "is encrypted and this server's key ring cannot open it, and every retry gets "
+                "this answer until an operator restores its key or evicts it (idempo evict; "
+                "the server's log names the record and the key id).",
+                headers=[_retry_after(store_retry_after)],
             )
         case CorruptRecordError():
             return problem(

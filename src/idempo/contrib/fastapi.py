@@ -56,7 +56,7 @@ with optional_import("idempo.contrib.fastapi needs FastAPI", extra="fastapi"):
     from fastapi import Header
 
 from .._http.lifecycle import Admission, Lifecycle
-from .._http.options import HttpSettings, _header_name
+from .._http.options import _OWN_GUARD, HttpSettings, _header_name
 from .._http.per_route import KeyHook, Routed, RouteRule, mark
 from .._http.response import HttpResponse
 from .._http.routes import StarletteRoutes
@@ -263,9 +263,7 @@ def _added(app: Any) -> Iterator[dict[str, Any]]:
 
 # The options that build the middleware's guard or its connection: the documentation
 # needs none of them, and a stand-in store takes their place.
-_NOT_DOCUMENTED = frozenset(
-    {"store", "idempotency", "policy", "lease", "observers", "reveal_keys", "connection", "mode"}
-)
+_NOT_DOCUMENTED = frozenset({"store", "idempotency", *_OWN_GUARD, "connection", "mode"})
 
 
 @dataclass(frozen=True, slots=True)
