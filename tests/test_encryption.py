@@ -66,6 +66,7 @@ from idempo.encryption import (
 from idempo.guard import FunctionCodec
 from idempo.http import HttpResponse, HttpSettings
 from idempo.serializers import JsonSerializer
+from idempo.stores.cache import CachedStore
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.mysql import connect_options
 from idempo.testing import FakeClock
@@ -221,6 +222,22 @@ def test_no_store_keeps_a_plaintext_secret_and_replays_are_byte_identical(
         _stepped_call(idem, "fn-1", executed) == result == {"api_key": SECRET, "steps": ["minted"]}
     )
     assert executed == ["http-1", "fn-1"]
+
+
+def test_the_local_cache_keeps_the_sealed_bytes() -> None:
+    """A `CachedStore` holds what its store returned: sealed, and replayed from memory."""
+    store = CachedStore(MemoryStore())
+    idem, executed = Idempotency(store, encryption=ring_a()), []
+    body = json.dumps({"api_key": SECRET}).encode()
+    first = _http_call(idem, "http-1", body, executed)
+    replays = [_http_call(idem, "http-1", body, executed) for _ in range(2)]
+    assert store.cache.hits >= 1
+    cached = [store.cache._records[scope] for scope in store.cache.scopes()]
+    assert cached
+    assert all(is_sealed(record.response) for record in cached)
+    assert SECRET.encode() not in _flat(record.response for record in cached)
+    assert all(replay.body == first.body == body for replay in replays)
+    assert executed == ["http-1"]
 
 
 @pytest.mark.anyio
@@ -696,12 +713,12 @@ def test_any_response_round_trips_sealed(
         SealedCodec(HttpCodec(), ring_ab(), Scope(principal + "x", "POST /x", "k-1")).decode(record)
 
 
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
+
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=12,
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20), _containers, max_leaves=12
 )
 
 
