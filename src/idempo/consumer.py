@@ -95,6 +95,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from ._core.keys import validate_key
 from ._core.record import Record, Status
+from .encryption import refuse_sealed
 from .errors import (
     ConfigurationError,
     FencedError,
@@ -252,10 +253,13 @@ class _ConsumerCodec(FunctionCodec):
     def decode(self, record: Record) -> Any:
         if record.status is Status.FAILED:
             return super().decode(record)  # raises ReplayedFailureError
+        response = record.response
+        if response and not response[0]:  # sealed, and the guard has no key ring
+            refuse_sealed(record)  # never handed back as they are
         try:
-            return self.serializer.loads(record.response or b"null")
+            return self.serializer.loads(response or b"null")
         except Exception:  # noqa: BLE001 - written by another serializer: hand back the bytes
-            return record.response
+            return response
 
 
 # How loudly each outcome is logged: refusals, a fenced stale holder and a store failure

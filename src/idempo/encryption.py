@@ -430,6 +430,10 @@ class SealedCodec:
     def encode_unstorable(self, exc: Exception) -> bytes:
         return self._sealed(Status.FAILED, self.inner.encode_unstorable(exc))
 
+    def open_point(self, point: str) -> str:
+        """A taken-over record's recovery point, opened (what the flow asks a codec)."""
+        return self.ring.open_point(point, self.scope)
+
     def decode(self, record: Record) -> Any:
         response = record.response
         status = record.status

@@ -64,7 +64,7 @@ from ._core.observed import AsyncObserved, Observed
 from ._core.progress import NO_PROGRESS, Progress
 from ._core.record import Record, Status
 from ._core.renewal import Renewal, ThreadRenewal
-from .encryption import KeyRing, SealedCodec, open_plain_point, refuse_sealed
+from .encryption import KeyRing, SealedCodec, refuse_sealed
 from .errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -145,10 +145,15 @@ class FunctionCodec:
         return json.dumps(failure).encode()
 
     def decode(self, record: Record) -> Any:
+        response = record.response
+        if response and not response[0]:
+            # Sealed bytes (they start with a NUL, which JSON never does) met by a guard with
+            # no key ring: refused, never handed to a serializer that may return them as is.
+            refuse_sealed(record)
         try:
             if record.status is not Status.FAILED:
-                return self.serializer.loads(record.response or b"null")
-            failure = json.loads(record.response or b"{}")
+                return self.serializer.loads(response or b"null")
+            failure = json.loads(response or b"{}")
             error, detail = str(failure.get("error", "?")), str(failure.get("detail", ""))
         except Exception as exc:
             # Nothing runs and nothing is replayed until an operator evicts the record.
@@ -401,9 +406,7 @@ class _Pending(Generic[T]):
         self._policy = policy
         self._codec = codec
         self._every = renew_every
-        self._flow: Flow | None = guarded_call(
-            scope, fingerprint(payload), policy, codec, guard._open_point
-        )
+        self._flow: Flow | None = guarded_call(scope, fingerprint(payload), policy, codec)
         self._token = 0
         self._renewal: Any = None
 
@@ -432,21 +435,16 @@ class _Pending(Generic[T]):
                 self._renewal = self._renewal_class(attempt, self._every, _logger)  # type: ignore[arg-type]
                 self._renewal.start()
             return attempt
-        record = step.record
-        assert record is not None, "the flow ended before the work with nothing to replay"
+        assert step.record is not None, "the flow ended before the work with nothing to replay"
         self._flow = None  # a replay holds nothing
-        response = record.response
-        # Sealed bytes start with a NUL, which no serializer's or HTTP's stored form does: the
-        # one test a plain replay pays. Without a ring they are refused, never handed to a
-        # serializer that might replay them as they are.
-        if response and not response[0] and self._guard.encryption is None:
-            refuse_sealed(record)
         self.attempt = self._attempt_class(
-            self._scope, replayed=True, result=self._codec.decode(record)
+            self._scope, replayed=True, result=self._codec.decode(step.record)
         )
         observed = self._observed
         if observed is not None:
-            observed.report(Kind.REPLAYED, token=record.token, store_seconds=observed.store_seconds)
+            observed.report(
+                Kind.REPLAYED, token=step.record.token, store_seconds=observed.store_seconds
+            )
         return self.attempt
 
     def _begin(self) -> Any:
@@ -823,8 +821,6 @@ class _Guard(Generic[OnceT, BegunT]):
                 f"encryption= takes an idempo.encryption.KeyRing, not {type(encryption).__name__}"
             )
         self.encryption = encryption
-        # How the flow reads a taken-over record's recovery point (flow.PointOpener).
-        self._open_point = open_plain_point if encryption is None else encryption.open_point
         self.store = store
         self.policy = policy or Policy()
         # Checked once: a runtime Protocol check costs more than a round trip's worth of
@@ -930,9 +926,8 @@ class _Guard(Generic[OnceT, BegunT]):
         scope = Scope.of(key, operation=operation, principal=principal)
         unit = self._unit(conn, mode)
         codec = codec or FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
-        ring = self.encryption
-        if ring is not None:
-            codec = SealedCodec(codec, ring, scope)  # sealed for this scope only
+        if self.encryption is not None:
+            codec = SealedCodec(codec, self.encryption, scope)  # sealed for this scope only
         every = self._renewal_period(renew_every, held=conn is not None and mode == "transactional")
         return self._once(unit, scope, payload, self.policy, codec, every, self, surface)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._core.keys import evict_hint
 from .._core.record import Record, Status
+from ..encryption import refuse_sealed
 from ..errors import CorruptRecordError
 from .problems import problem
 from .redact import with_length
@@ -62,10 +63,9 @@ class HttpCodec:
             status = self.classify(value.status)
             if status is None:
                 return None, b""
-            # No call more than before redaction existed, for the many apps that use none.
-            redact = self.redact
-            kept = value.shareable() if redact is None else _redacted(redact, value)
-            return status, encode_response(kept)
+            if self.redact is None:  # the many apps that redact nothing: no call more
+                return status, encode_response(value.shareable())
+            return status, encode_response(_redacted(self.redact, value))
         if isinstance(value, UnkeptResponse) and self.classify(value.status) is not None:
             detail = (
                 f"The request was processed and answered {value.status}, but its response "
@@ -91,6 +91,9 @@ class HttpCodec:
                 raise CorruptRecordError("the record holds no response to replay")
             return decode_response(record.response)
         except CorruptRecordError as exc:
+            # Sealed bytes never parse (they start with a NUL), so a guard with no key ring
+            # learns why here, at no cost to the replays that do parse.
+            refuse_sealed(record)
             # Nothing runs and nothing is replayed until an operator evicts the record.
             raise CorruptRecordError(f"{exc}; to evict it, {evict_hint(record.scope)}") from exc
 
