@@ -24,13 +24,20 @@ numbers. "CPU us" is this process's CPU time per call (all its threads), measure
 loaded machine it moves less than calls/s do. Every key lives under a prefix of this run's
 own, deleted at the end. The shared measuring code is postgres_tx.py's.
 
+The server's side is measured apart too, per scenario: ``INFO commandstats`` deltas over a
+few thousand calls (reset with ``CONFIG RESETSTAT`` first, so run it on a Redis nothing else
+uses): each command the scenario sent and those its scripts ran, with their ``usec_per_call``,
+and the Redis time per guarded call, counting only the commands the client sent (a script's
+time includes the commands it runs). "main thread" is Redis's own CPU time per call from
+``INFO cpu`` (used_cpu_*_main_thread), which adds reading and writing the sockets.
+
 ``--instructions`` counts instead the CPU instructions each call costs the client process,
 under valgrind (callgrind), from two runs of 200 and 1200 calls: a measure that stays the same
-on a busy machine, where calls/s do not. The server's side is not in it (see docs/benchmarks.md
-for the Lua scripts' cost on the Redis server).
+on a busy machine, where calls/s do not.
 
 Usage: python bench/redis_store.py [--seconds N] [--rounds R] [--quick] [--url URL]
        python bench/redis_store.py --instructions
+       python bench/redis_store.py --server-only     (the commandstats phase alone)
 """
 
 from __future__ import annotations
@@ -45,8 +52,10 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -345,6 +354,125 @@ def cleanup(url: str) -> int:
     return deleted
 
 
+# --------------------------------------------------------------------------- server CPU
+
+
+@contextmanager
+def sent_commands() -> Iterator[Counter[str]]:
+    """The commands this process sends while the block runs, by name (every redis-py
+    connection class, sync and async, single and pipelined): what Redis ran at top level."""
+    import redis.asyncio.connection
+
+    counts: Counter[str] = Counter()
+    patched: list[tuple[type, str, Any]] = []
+
+    def name(args: Any) -> str:
+        first = args[0]
+        return (first.decode() if isinstance(first, bytes) else str(first)).split()[0].lower()
+
+    # A synchronous connection sends one command with send_command, an asynchronous one
+    # packs it with pack_command; both pack a pipeline with pack_commands.
+    singles = (
+        (redis.connection.AbstractConnection, "send_command"),
+        (redis.asyncio.connection.AbstractConnection, "pack_command"),
+    )
+    for cls, single in singles:
+        one, many = getattr(cls, single), cls.pack_commands
+
+        def send_one(self: Any, *args: Any, _one: Any = one, **kwargs: Any) -> Any:
+            counts[name(args)] += 1
+            return _one(self, *args, **kwargs)
+
+        def pack_commands(self: Any, commands: Any, _many: Any = many) -> Any:
+            commands = list(commands)
+            for command in commands:
+                counts[name(command)] += 1
+            return _many(self, commands)
+
+        patched += [(cls, single, one), (cls, "pack_commands", many)]
+        setattr(cls, single, send_one)
+        cls.pack_commands = pack_commands  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        for cls, attribute, original in patched:
+            setattr(cls, attribute, original)
+
+
+@dataclass
+class ServerCost:
+    """What Redis spent on one scenario's calls, per call."""
+
+    calls: int
+    # command -> (sent by the client per call, run by scripts per call, usec_per_call)
+    commands: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    main_thread_us: float = 0.0
+
+    @property
+    def command_us(self) -> float:
+        """Redis's command time per call: what the client sent (a script with what it ran)."""
+        return sum(sent * usec for sent, _, usec in self.commands.values())
+
+
+def _server_cpu(client: redis.Redis) -> float:
+    info: Any = client.info("cpu")
+    return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+
+
+def server_cost(factory: ScenarioFactory, url: str, calls: int, warmup: int) -> ServerCost:
+    """One scenario's Redis time per call, from INFO commandstats and INFO cpu deltas."""
+    scenario = factory(url)
+    admin = redis.Redis.from_url(url)
+    try:
+        warm_up(scenario, warmup)
+        admin.config_resetstat()
+        cpu = _server_cpu(admin)
+        with sent_commands() as sent:
+            for _ in range(calls):
+                scenario.op()
+        cpu = _server_cpu(admin) - cpu
+        stats: Any = admin.info("commandstats")
+    finally:
+        scenario.close()
+        admin.close()
+    cost = ServerCost(calls, main_thread_us=cpu / calls * 1e6)
+    for field_name, values in stats.items():
+        command = field_name.removeprefix("cmdstat_")
+        if command.split("|")[0] in ("config", "info"):
+            continue
+        total = int(values["calls"])
+        top = min(sent.get(command, 0), total)
+        cost.commands[command] = (
+            top / calls,
+            (total - top) / calls,
+            float(values["usec_per_call"]),
+        )
+    return cost
+
+
+def measure_server(
+    url: str, only: tuple[str, ...], calls: int, warmup: int
+) -> dict[str, ServerCost]:
+    costs = {}
+    for name in only:
+        try:
+            costs[name] = server_cost(FACTORIES[name][1], url, calls, warmup)
+        except Exception as exc:
+            print(f"{name}: no server cost ({type(exc).__name__}: {exc})")
+    return costs
+
+
+def print_server(costs: dict[str, ServerCost]) -> None:
+    print("\nRedis time per call (INFO commandstats; sent/script = commands per call):")
+    print(f"{'scenario':<22}{'command µs':>11}{'main thread':>12}  commands (sent+script x usec)")
+    for name, cost in costs.items():
+        parts = [
+            f"{command} {sent:g}+{inner:g}x{usec:.1f}"
+            for command, (sent, inner, usec) in sorted(cost.commands.items())
+        ]
+        print(f"{name:<22}{cost.command_us:>11.1f}{cost.main_thread_us:>12.1f}  {', '.join(parts)}")
+
+
 # --------------------------------------------------------------------------- reporting
 
 
@@ -413,6 +541,8 @@ class Settings:
     instructions: bool = False
     scenario: str | None = None
     only: tuple[str, ...] = tuple(FACTORIES)
+    server_only: bool = False
+    server_calls: int = 3000
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -434,6 +564,11 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         help="comma-separated scenarios to run (default: all)",
         default=",".join(FACTORIES),
     )
+    parser.add_argument(
+        "--server-only",
+        action="store_true",
+        help="only the Redis time per call (INFO commandstats), no calls/s",
+    )
     parser.add_argument("--scenario", choices=FACTORIES, help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -442,7 +577,16 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     if args.quick:
-        return Settings(args.url, args.seconds or 10.0, args.rounds or 2, 50, 20, only=only)
+        return Settings(
+            args.url,
+            args.seconds or 10.0,
+            args.rounds or 2,
+            50,
+            20,
+            only=only,
+            server_only=args.server_only,
+            server_calls=300,
+        )
     return Settings(
         args.url,
         args.seconds or 100.0,
@@ -452,6 +596,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         args.instructions,
         args.scenario,
         only,
+        args.server_only,
     )
 
 
@@ -511,6 +656,12 @@ def build_available(url: str, only: tuple[str, ...], notes: list[str]) -> list[S
 
 
 def run(settings: Settings) -> None:
+    if settings.server_only:
+        print_header(settings.url, 0, 0.0, 0)
+        print_server(
+            measure_server(settings.url, settings.only, settings.server_calls, settings.warmup)
+        )
+        return
     notes: list[str] = []
     scenarios = build_available(settings.url, settings.only, notes)
     results = {s.name: Result(FACTORIES[s.name][0]) for s in scenarios}
@@ -525,9 +676,11 @@ def run(settings: Settings) -> None:
         for scenario in scenarios:
             scenario.close()
     count_all_round_trips(results, settings.url, settings.count_calls, settings.warmup)
+    costs = measure_server(settings.url, tuple(results), settings.server_calls, settings.warmup)
 
     print_table(results, cpu)
     print_ratios(results)
+    print_server(costs)
     for note in notes:
         print(note)
 

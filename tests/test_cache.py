@@ -438,7 +438,7 @@ async def test_urls_take_a_cache_size(
         assert isinstance(redis_cached.store, AsyncRedisStore)
         await redis_cached.reserve(scope(), "fp", now=clock(), lease=LEASE, ttl=TTL)
         with redis.Redis.from_url(redis_url) as client:
-            assert len(list(client.scan_iter(match=f"{redis_prefix}:*"))) == 1
+            assert len(list(client.scan_iter(match=f"{redis_prefix}:{{*}}"))) == 1  # records
     finally:
         await redis_cached.aclose()
 

@@ -35,17 +35,21 @@ KEYS_PER_ROUND = 600
 WORKERS = 6
 PURGERS = 3
 
-SQL_AND_MEMORY = [
+SQL_MEMORY_AND_REDIS = [
     pytest.param("memory", id="memory"),
     pytest.param("sqlite", id="sqlite"),
     pytest.param("pg", marks=pytest.mark.postgres, id="postgres"),
     pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("redis_cluster", marks=pytest.mark.redis, id="redis-cluster"),
 ]
 
 
-@pytest.fixture(params=SQL_AND_MEMORY)
+@pytest.fixture(params=SQL_MEMORY_AND_REDIS)
 def store(request: pytest.FixtureRequest) -> Any:
-    """The SQL stores and the memory store, migrated and empty."""
+    """The SQL stores, the memory store and the Redis store (on a server and on a cluster,
+    where purge reads the records it may delete from its ``expiring`` set and re-checks each
+    in a script), migrated and empty."""
     if request.param == "memory":
         return MemoryStore()
     return request.getfixturevalue(f"{request.param}_store")

@@ -22,7 +22,7 @@ import redis
 from idempo import AsyncIdempotency, Idempotency, Scope
 from idempo.errors import ConfigurationError
 from idempo.stores import open_async_store, open_store
-from idempo.stores.redis import AsyncRedisStore, RedisStore
+from idempo.stores.redis import AsyncRedisStore, RedisStore, _protocol
 from test_races import (
     BARRIER_TIMEOUT,
     KEYS,
@@ -161,23 +161,38 @@ async def test_tasks_async_redis_store_executes_once_per_key(
 # -- keys, URLs, clients -------------------------------------------------------------------
 
 
-def test_key_names_hold_no_user_strings(redis_store: RedisStore, redis_prefix: str) -> None:
-    """A record's key is the prefix and a hash-tagged digest; the scope lives in the hash."""
-    now = datetime.now(UTC)
+@pytest.mark.parametrize("clock", ["redis", "given"])
+def test_key_names_hold_no_user_strings(
+    redis_store: RedisStore, redis_prefix: str, clock: str
+) -> None:
+    """A record's key is the prefix and a hash-tagged digest; the scope lives in the record,
+    one string. Its key expires at the end of its retention on Redis's clock, that long
+    after the caller's ``now`` plus the grace on a given one (which also lists it in the
+    store's ``expiring`` set, by digest)."""
+    now = None if clock == "redis" else datetime.now(UTC)
     scope = Scope.of("order*42", operation="POST /pay{x}", principal="tenant:1")
     redis_store.reserve(scope, "fp", now=now, lease=timedelta(seconds=5), ttl=timedelta(hours=1))
 
     keys = [k.decode() for k in redis_store.client.scan_iter(match=f"{redis_prefix}:*")]
 
-    assert len(keys) == 1
-    tail = keys[0].removeprefix(f"{redis_prefix}:")
+    names = [k for k in keys if k != f"{redis_prefix}:expiring"]
+    assert len(names) == 1
+    tail = names[0].removeprefix(f"{redis_prefix}:")
     assert tail.startswith("{")
     assert tail.endswith("}")
     assert len(tail) == 66
     assert all(c in "0123456789abcdef" for c in tail[1:-1])
-    fields = redis_store.client.hgetall(keys[0])
-    assert (fields[b"p"], fields[b"o"], fields[b"k"]) == (b"tenant:1", b"POST /pay{x}", b"order*42")
-    assert 0 < redis_store.client.pttl(keys[0]) <= (5 + 3600 + 60) * 1000
+    assert redis_store.client.type(names[0]) == b"string"
+    value = redis_store.client.get(names[0])
+    expiry = redis_store.client.pexpiretime(names[0])
+    record = _protocol.decode(value, None, expiry).record
+    assert record is not None
+    assert record.scope == scope
+    assert b"tenant:1" + b"POST /pay{x}" + b"order*42" in value
+    grace = 0 if now is None else 60
+    assert (5 + 3600) * 1000 - 1000 < redis_store.client.pttl(names[0]) <= (5 + 3600 + grace) * 1000
+    listed = redis_store.client.zrange(f"{redis_prefix}:expiring", 0, -1)
+    assert listed == ([] if now is None else [tail[1:-1].encode()])
 
 
 def test_prefixes_are_separate_stores(redis_url: str, redis_prefix: str) -> None:

@@ -1,10 +1,10 @@
 """The Redis store's own side of the record protocol: tokens that never come back, Redis's
-clock, undecodable records and `evict`, on the machine's server and on the private cluster,
-through both faces.
+clock, takeovers on it, undecodable records, records of the previous layout and `evict`, on
+the machine's server and on the private cluster, through both faces.
 
 Every test drives a `Face`: the async store as it is, the sync one through worker threads, so
 one assertion covers both code paths. Raw Redis commands (a DEL as expiry or eviction would do
-it, a hash written by something else) go through the store's own client.
+it, bytes or a hash written by something else) go through the store's own client.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import anyio.to_thread
 import pytest
 
@@ -29,8 +30,8 @@ from idempo import (
 )
 from idempo._core.digest import key_digest
 from idempo._core.record import Acquired, InProgress, Replay
-from idempo.stores.redis import AsyncRedisStore, RedisStore
-from idempo.stores.redis._protocol import reservation
+from idempo.stores.redis import AsyncRedisStore, RedisStore, _ops
+from idempo.stores.redis._protocol import HEADER, reservation
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -54,9 +55,9 @@ class Face:
             return await verb(*args, **kwargs)
         return await anyio.to_thread.run_sync(functools.partial(verb, *args, **kwargs))
 
-    async def raw(self, command: str, *args: Any) -> Any:
+    async def raw(self, command: str, *args: Any, **options: Any) -> Any:
         """A plain command on the store's client (routed to the key's node on a cluster)."""
-        return await self._call(getattr(self.store.client, command), *args)
+        return await self._call(getattr(self.store.client, command), *args, **options)
 
     def key(self, scope: Scope) -> str:
         return self.store._keys.key(scope)
@@ -133,7 +134,7 @@ async def test_takeover_token_is_one_past_a_token_ahead_of_the_clock(face: Face)
     s = scope()
     await acquire(face, s)
     ahead = int((await face.server_now(s)).timestamp() * 1e6) + 10**12
-    await face.raw("hset", face.key(s), "tok", str(ahead))
+    await face.raw("setrange", face.key(s), 2, ahead.to_bytes(8, "big"))  # the token's bytes
 
     later = datetime.now(UTC) + LEASE + timedelta(seconds=1)
     assert await acquire(face, s, now=later) == ahead + 1
@@ -142,19 +143,32 @@ async def test_takeover_token_is_one_past_a_token_ahead_of_the_clock(face: Face)
 async def test_a_resent_reserve_gets_its_own_reservation_back(face: Face) -> None:
     """The same reserve command run twice (redis-py re-sending it after a lost reply, as
     both its server and its cluster clients do) acquires once and answers the second time
-    with the same token; any other attempt is told the key is in progress."""
+    with the same token; any other attempt is told the key is in progress. So for the plain
+    SET NX of a fresh key, and for the reserve script of a takeover."""
     s = scope()
-    args = face.store._keys.reserve_args(s, "fp", None, LEASE, TTL)
-    replies = [
-        await face._call(face.store._scripts["reserve"], keys=[face.key(s)], args=args)
-        for _ in range(2)
-    ]
-
-    first, second = (reservation(reply, s, "fp", None) for reply in replies)
-
-    assert isinstance(first, Acquired)
-    assert second == first
+    flow = _ops.reserve(face.store._keys, s, "fp", None, LEASE, TTL)
+    command = next(flow)
+    if command.name == "time":  # the store's first call reads Redis's clock
+        command = flow.send(await face.raw("time"))
+    replies = [await face.raw(command.name, *command.args, **command.options) for _ in range(2)]
+    assert replies[0] is None
+    with pytest.raises(StopIteration) as again:
+        flow.send(replies[1])
+    record = await face.get(s)
+    assert record is not None
+    assert again.value.value == Acquired(token=record.token)
     assert isinstance(await face.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL), InProgress)
+
+    later = datetime.now(UTC) + LEASE + timedelta(seconds=1)  # the lease is over by then
+    args = face.store._keys.reserve_args(s, "fp", b"n0nce-42", later, LEASE, TTL)
+    script = face.store._scripts["reserve"]
+    twice = [await face._call(script, keys=[face.key(s)], args=args) for _ in range(2)]
+    first, second = (reservation(reply, s, "fp", later) for reply in twice)
+    assert isinstance(first, Acquired)
+    assert first.taken_over
+    assert first.token > record.token
+    assert second == Acquired(token=first.token)
+    assert isinstance(await face.reserve(s, "fp", now=later, lease=LEASE, ttl=TTL), InProgress)
 
 
 async def test_evict_deletes_any_record_once(face: Face) -> None:
@@ -189,6 +203,8 @@ async def test_now_none_is_redis_clock_so_a_caller_clock_ahead_cannot_take_over(
     after = await face.server_now(s)
     record = await face.get(s)
     assert record is not None
+    # A fresh reservation's times come from its key's expiry, which Redis keeps in ms.
+    before = before.replace(microsecond=before.microsecond // 1000 * 1000)
     assert before <= record.created_at == record.updated_at <= after
     assert record.lease_expires_at == record.created_at + LEASE
     assert record.expires_at == record.created_at + LEASE + TTL
@@ -264,28 +280,34 @@ async def test_settle_renew_and_purge_on_redis_clock(face: Face) -> None:
 
 # -- undecodable records -------------------------------------------------------------------
 
-# How a record can be broken: fields deleted, fields overwritten, or a key that is not one of
-# ours at all. The second element says whether reserve reads the broken part (the scope's
-# own fields are only read back by get).
+# How a record can be broken: bytes overwritten in place (offsets into the fresh record of
+# `scope()` with fingerprint "fp": the header's state at 0, clock at 1, fingerprint length at
+# 50, point length at 52; the fingerprint at 59, the principal at 61), its expiry taken away,
+# or a key that is not one of ours at all. The second element says whether reserve reads the
+# broken part (the scope's own strings are only read back by get).
 BROKEN: dict[str, tuple[Callable[[str], list[tuple[Any, ...]]], bool]] = {
-    **{
-        f"no-{field}": ((lambda key, field=field: [("hdel", key, field)]), field not in "pok")
-        for field in ("fp", "st", "tok", "le", "ca", "ua", "ea", "p", "o", "k")
-    },
-    **{
-        f"bad-{field}": ((lambda key, f=field, v=value: [("hset", key, f, v)]), True)
-        for field, value in (
-            ("tok", "seven"),
-            ("st", "zombie"),
-            ("ea", "tomorrow"),
-            ("le", "1e999x"),
-            ("ca", "yesterday"),
-            ("fp", b"\xff\xfe"),
-        )
-    },
+    "bad-state": (lambda key: [("setrange", key, 0, b"z")], True),
+    "bad-clock": (lambda key: [("setrange", key, 1, b"q")], True),
+    "strings-past-the-end": (lambda key: [("setrange", key, 50, b"\x7f\xff")], True),
+    "bad-point-length": (lambda key: [("setrange", key, 52, b"\x00\x09")], True),
+    "bad-fingerprint": (lambda key: [("setrange", key, 59, b"\xff\xfe")], True),
+    "bad-principal": (lambda key: [("setrange", key, 61, b"\xff")], False),
+    "no-expiry": (lambda key: [("persist", key)], True),
+    "too-short": (lambda key: [("set", key, b"i" + bytes(20))], True),
+    "foreign-string": (lambda key: [("set", key, "hello")], True),
     "foreign-hash": (lambda key: [("delete", key), ("hset", key, "owner", "someone else")], True),
-    "not-a-hash": (lambda key: [("delete", key), ("set", key, "hello")], True),
+    "old-layout-without-ea": (
+        lambda key: [
+            ("delete", key),
+            ("hset", key, {"mapping": {**OLD_FIELDS, "st": "completed"}}),
+        ],
+        True,
+    ),
+    "a-list": (lambda key: [("delete", key), ("rpush", key, "x")], True),
 }
+# A record of the previous layout (a hash), its retention end left out.
+OLD_FIELDS = {"p": "alice", "o": "charge", "k": "k-1", "fp": "fp", "tok": "5", "le": "1",
+              "ca": "1", "ua": "1", "n": "old", "resp": "r"}  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", list(BROKEN))
@@ -298,7 +320,8 @@ async def test_undecodable_record_is_a_typed_error_until_evicted(face: Face, bro
     await acquire(face, bystander, now=datetime.now(UTC) - timedelta(hours=2), ttl=SHORT)
     breaks, reserve_reads_it = BROKEN[broken]
     for command, *args in breaks(face.key(s)):
-        await face.raw(command, *args)
+        options = args.pop() if isinstance(args[-1], dict) else {}
+        await face.raw(command, *args, **options)
 
     with pytest.raises(CorruptRecordError, match="evict"):
         await face.get(s)
@@ -318,3 +341,110 @@ async def test_undecodable_record_is_a_typed_error_until_evicted(face: Face, bro
 
     assert await face.evict(s) is True
     assert await acquire(face, s) > 0
+
+
+# -- records of the previous layout --------------------------------------------------------
+
+
+async def old_record(face: Face, s: Scope, **fields: Any) -> int:
+    """A record as the previous layout kept it (a hash, every time in µs on Redis's clock,
+    written by its Lua scripts); its token."""
+    now = int((await face.server_now(s)).timestamp() * 1e6)
+    hashed = {
+        "p": s.principal, "o": s.operation, "k": s.key, "fp": "ab" * 32, "st": "completed",
+        "tok": str(now - 5), "le": str(now - 1), "ca": str(now - 10), "ua": str(now - 5),
+        "ea": str(now + 3_600_000_000), "n": "0123456789abcdef01", "resp": b"old answer",
+    } | fields  # fmt: skip
+    await face.raw("hset", face.key(s), mapping=hashed)
+    await face.raw("pexpire", face.key(s), 3_660_000)
+    return int(hashed["tok"])
+
+
+async def test_a_record_of_the_previous_layout_is_converted_where_it_is_read(face: Face) -> None:
+    """A hash the previous layout wrote is converted in place (one string, its key's expiry at
+    the end of its retention) the first time a reserve, get or evict reads it: a completed one
+    replays, one whose lease ended is taken over with a larger token, and evict removes one."""
+    done, stalled, evicted = scope("done"), scope("stalled"), scope("evicted")
+    token = await old_record(face, done)
+    verdict = await face.reserve(done, "ab" * 32, now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(verdict, Replay)
+    assert (verdict.record.token, verdict.record.response) == (token, b"old answer")
+    assert await face.raw("type", face.key(done)) == b"string"
+    assert 0 < await face.raw("pttl", face.key(done)) <= 3_600_000
+    assert await face.get(done) == verdict.record
+
+    old = await old_record(face, stalled, st="in_progress", resp=b"")
+    record = await face.get(stalled)
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, old)
+    taken = await face.reserve(stalled, "ab" * 32, now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(taken, Acquired)
+    assert taken.taken_over
+    assert taken.token > old
+
+    await old_record(face, evicted)
+    assert await face.evict(evicted) is True
+    assert await face.get(evicted) is None
+    assert await acquire(face, evicted) > 0
+
+
+# -- takeovers on Redis's clock ------------------------------------------------------------
+
+
+async def test_a_lease_ended_on_redis_clock_is_taken_over_and_the_stale_holder_fenced(
+    face: Face,
+) -> None:
+    """A fresh reservation on Redis's clock (a plain SET whose lease is its key's expiry minus
+    the retention) whose lease ends is taken over by the next attempt with a larger token;
+    the stale holder then can neither complete, fail, renew nor release, and the new holder's
+    answer is what replays."""
+    s = scope()
+    short = timedelta(milliseconds=300)
+    stale = await acquire(face, s, lease=short)
+    assert isinstance(await face.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL), InProgress)
+    await anyio.sleep(0.5)
+
+    taken = await face.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL)
+
+    assert isinstance(taken, Acquired)
+    assert taken.taken_over
+    assert taken.token > stale
+    for settle in (face.complete, face.fail):
+        with pytest.raises(FencedError):
+            await settle(s, stale, b"zombie", now=None, ttl=TTL)
+    with pytest.raises(FencedError):
+        await face.renew(s, stale, now=None, lease=LEASE)
+    await face.release(s, stale)
+    record = await face.get(s)
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, taken.token)
+    await face.complete(s, taken.token, b"winner", now=None, ttl=TTL)
+    replay = await face.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(replay, Replay)
+    assert (replay.record.token, replay.record.response) == (taken.token, b"winner")
+
+
+async def test_a_released_key_keeps_its_token_floor(face: Face) -> None:
+    """A release leaves a tombstone with the released token until the record's retention
+    ends: get, stats and scan see no record, and the next reservation takes a larger token
+    than every earlier one."""
+    s = scope()
+    first = await acquire(face, s)
+    await face.release(s, first)
+    assert await face.get(s) is None
+    assert await face.stats() == {}
+    assert await face.raw("getrange", face.key(s), 0, 0) == b"x"
+    again = await acquire(face, s)
+    assert again > first
+    record = await face.get(s)
+    assert record is not None
+    assert record.token == again
+
+
+async def test_header_layout_is_what_the_scripts_read(face: Face) -> None:
+    """The header's fields sit where lua/common.lua reads them."""
+    s = scope()
+    token = await acquire(face, s)
+    value = await face.raw("get", face.key(s))
+    state, clock, stored, *_ = HEADER.unpack_from(value)
+    assert (state, clock, stored) == (b"i", b"d", token)

@@ -2,12 +2,12 @@
 
 A `Proxy` sits on loopback between the store's client and the machine's Redis server and
 forwards bytes both ways, except that it can be told to spring one trap on the next command
-that carries a given script's SHA: drop the connection right after the server answered (the
-server applied the command, the client never hears it), or hold the command or its answer
-until the test lets go. redis-py 8 re-sends a command whose connection broke (a client built by
-hand retries 10 times by default), so a lost reply is a command run twice; a caller cancelled
-mid-command leaves redis-py to drop the connection, and the store to undo what it may have
-reserved.
+that carries given bytes (a script's SHA, or a fresh reservation's plain SET): drop the
+connection right after the server answered (the server applied the command, the client never
+hears it), or hold the command or its answer until the test lets go. redis-py 8 re-sends a
+command whose connection broke (a client built by hand retries 10 times by default), so a lost
+reply is a command run twice; a caller cancelled mid-command leaves redis-py to drop the
+connection, and the store to undo what it may have reserved.
 """
 
 from __future__ import annotations
@@ -166,10 +166,13 @@ def _load_scripts(redis_url: str) -> None:
 
 
 class Face(StoreFace):
-    """A store of either face behind awaited verbs, with the SHAs the proxy's traps look for."""
+    """A store of either face behind awaited verbs, with what the proxy's traps look for."""
 
-    def sha(self, verb: str) -> bytes:
-        """The SHA of the script ``verb`` runs."""
+    def needle(self, verb: str) -> bytes:
+        """What the command ``verb`` sends carries: a fresh reservation is a plain SET (in
+        RESP, the command's name as a bulk string), the others the SHA of their script."""
+        if verb == "reserve":
+            return b"$3\r\nSET\r\n"
         name = {"complete": "settle", "fail": "settle"}.get(verb, verb)
         return str(self.store._scripts[name].sha).encode()
 
@@ -239,7 +242,7 @@ async def test_reserve_whose_reply_was_lost_is_acquired_when_resent(
     """A reserve the server applied but whose reply the connection lost is re-sent by redis-py;
     it finds its own reservation and acquires it, instead of reporting the key "in progress"
     for a whole lease."""
-    trap = proxy.trap(face.sha("reserve"), "drop-reply")
+    trap = proxy.trap(face.needle("reserve"), "drop-reply")
 
     reservation = await face.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
 
@@ -262,7 +265,7 @@ async def test_settle_or_renew_whose_reply_was_lost_succeeds_when_resent(
     """A complete, fail or renew applied but unanswered succeeds when redis-py re-sends it."""
     reservation = await face.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
     assert isinstance(reservation, Acquired)
-    trap = proxy.trap(face.sha(verb), "drop-reply")
+    trap = proxy.trap(face.needle(verb), "drop-reply")
 
     if verb == "renew":
         await face.renew(scope(), reservation.token, now=None, lease=LEASE)
@@ -283,8 +286,8 @@ async def test_release_resent_late_leaves_a_newer_reservation_alone(
     reserved the freed key, cannot delete that caller's reservation: its token is new."""
     reservation = await face.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL)
     assert isinstance(reservation, Acquired)
-    lost = proxy.trap(face.sha("release"), "drop-reply")
-    resent = proxy.trap(face.sha("release"), "hold-command")
+    lost = proxy.trap(face.needle("release"), "drop-reply")
+    resent = proxy.trap(face.needle("release"), "hold-command")
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(face.release, scope(), reservation.token)
@@ -400,7 +403,7 @@ async def test_cancelled_reserve_leaves_neither_a_reply_in_the_pool_nor_the_key_
     reservation behind: the key is free for the next caller."""
     store = aface.store
     assert isinstance(store, AsyncRedisStore)
-    trap = proxy.trap(aface.sha("reserve"), "hold-reply")
+    trap = proxy.trap(aface.needle("reserve"), "hold-reply")
 
     await cancel(lambda: store.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL), trap)
     trap.go.set()
@@ -428,7 +431,7 @@ async def test_a_guarded_reserve_whose_reply_timed_out_is_undone_by_its_nonce(
         f"redis://127.0.0.1:{proxy.port}/0", prefix=redis_prefix, socket_timeout=0.5
     )
     idem = AsyncIdempotency(store)
-    trap = proxy.trap(Face(store).sha("reserve"), "hold-reply")
+    trap = proxy.trap(Face(store).needle("reserve"), "hold-reply")
     runs = 0
 
     async def charge() -> None:
@@ -471,7 +474,7 @@ async def test_cancelled_settle_renew_or_release_leaves_the_pool_sound(
         "renew": lambda: store.renew(scope(), token, now=None, lease=LEASE),
         "release": lambda: store.release(scope(), token),
     }
-    trap = proxy.trap(aface.sha(verb), "hold-reply")
+    trap = proxy.trap(aface.needle(verb), "hold-reply")
 
     await cancel(calls[verb], trap)
     trap.go.set()

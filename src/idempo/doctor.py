@@ -448,7 +448,7 @@ def _redis(store: Any, clock: Callable[[], datetime]) -> Iterator[Finding]:
         yield from _redis_node(where, config)
     offset, half = _timed(clock, lambda: _redis_time(store))
     yield _skew("Redis", offset, half)
-    yield Finding("schema", Level.PASS, "Redis keeps no schema: records are hashes", None, "none")
+    yield Finding("schema", Level.PASS, "Redis keeps no schema: records are strings", None, "none")
 
 
 def _redis_time(store: Any) -> datetime:

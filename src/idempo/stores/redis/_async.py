@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.asyncio.retry
+import redis.exceptions
 
 from ..._core.keys import Scope
 from ..._core.record import Record, Reservation, Status
@@ -19,8 +20,8 @@ from .._scan import ScanFilter
 from . import _ops
 from ._connect import connect
 from ._errors import ERRORS, translated, translating
-from ._ops import Batch, Call, Command, Run
-from ._protocol import Keys
+from ._ops import Batch, Call, Command, Place, Run
+from ._protocol import Keys, wrong_type
 from ._scripts import SCRIPTS
 
 T = TypeVar("T")
@@ -65,6 +66,7 @@ class AsyncRedisStore:
         self._cold = self._cluster
         self._scripts = {name: built.register_script(text) for name, text in SCRIPTS.items()}
         self._undoing: set[asyncio.Task[None]] = set()
+        self._place = Place()
 
     async def _drive(self, flow: Generator[Call, Any, T]) -> T:
         """Carry out the calls ``flow`` yields; its result."""
@@ -79,10 +81,13 @@ class AsyncRedisStore:
                     self._undo(call)
                     raise
                 except ERRORS as exc:
-                    error = translated(exc, call.scope)
-                    if isinstance(error, StoreUnavailableError):
-                        self._undo(call)
-                    raise error from exc
+                    if isinstance(call, Command) and call.errors and wrong_type(exc):
+                        reply = exc
+                    else:
+                        error = translated(exc, call.scope)
+                        if isinstance(error, StoreUnavailableError):
+                            self._undo(call)
+                        raise error from exc
                 call = flow.send(reply)
         except StopIteration as stop:
             result: T = stop.value
@@ -93,7 +98,7 @@ class AsyncRedisStore:
         not one more coroutine around it (every await passes through each)."""
         started: Awaitable[Any]
         if isinstance(call, Run):
-            started = self._scripts[call.script](keys=[call.key], args=call.args)
+            started = self._evalsha(call)
         elif isinstance(call, Command):
             started = getattr(self.client, call.name)(*call.args, **call.options)
         elif isinstance(call, Batch):
@@ -102,11 +107,22 @@ class AsyncRedisStore:
             started = self._primaries()
         return started
 
+    async def _evalsha(self, run: Run) -> Any:
+        """``run`` as one EVALSHA (redis-py's Script adds argument checks the hot path pays
+        for); a server that lost the script gets it again."""
+        script = self._scripts[run.script]
+        try:
+            return await self.client.execute_command(
+                "EVALSHA", script.sha, len(run.keys), *run.keys, *run.args
+            )
+        except redis.exceptions.NoScriptError:
+            return await script(keys=run.keys, args=run.args)  # loads it, then runs it
+
     async def _pipelined(self, batch: Batch) -> Any:
         pipe = self.client.pipeline(transaction=False)
         for each in batch.calls:
             if isinstance(each, Run):
-                await self._scripts[each.script](keys=[each.key], args=each.args, client=pipe)
+                await self._scripts[each.script](keys=each.keys, args=each.args, client=pipe)
             else:
                 getattr(pipe, each.name)(*each.args, **each.options)
         return await pipe.execute(raise_on_error=batch.raise_on_error)
@@ -185,7 +201,7 @@ class AsyncRedisStore:
         return await self._drive(_ops.evict(self._keys, scope))
 
     async def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
-        return await self._drive(_ops.purge(self._keys, before, limit, self._cluster))
+        return await self._drive(_ops.purge(self._keys, self._place, before, limit, self._cluster))
 
     async def stats(self) -> dict[str, int]:
         """How many records are in each state (a SCAN over the prefix)."""

@@ -1,12 +1,24 @@
-"""Redis's side of the record protocol, without I/O: key names, script arguments, replies.
+"""Redis's side of the record protocol, without I/O: key names, the record's bytes, the
+arguments of the commands and scripts, their replies.
 
-Every function here is pure: the operations in `_ops` build their calls with it and decode
-what the faces bring back.
+Every function here is pure, but for `TokenClock`'s estimate of Redis's clock: the operations
+in `_ops` build their calls with it and decode what the faces bring back.
 
-Times travel and are stored as integer microseconds since the epoch (Lua numbers are doubles:
-exact below 2^53, until the year 2255); ``now`` goes to a script as the caller's clock, or as
-'' for Redis's own (TIME, read inside the script). Lease and retention go as durations, which
-the scripts add to that ``now``, so every time in a record comes from one clock.
+**The record** is one string (lua/common.lua lists the layout): a 59-byte header (state,
+clock, token, four times, the reservation's nonce, five lengths), then the fingerprint (64
+hex digits stored as their 32 bytes), the recovery point, the principal, the operation, the
+key and, once settled, the response. Times are integer microseconds since the epoch (Lua
+numbers are doubles: exact below 2^53, until the year 2255).
+
+**Whose clock.** A record on Redis's clock (``now=None``) has its key expire exactly when its
+retention ends, so a key Redis still holds is inside its retention on Redis's clock. The
+fresh reservation is a plain ``SET NX``, which cannot read Redis's clock: it stores the lease
+and the key's PX as durations (clock ``d``), and its times are the key's own expiry
+(``PEXPIRETIME``, set by Redis from its clock as it created the key) minus those. Every
+script that rewrites a record reads ``TIME`` and stores absolute times (clock ``r``). A
+record on a clock the caller gave (clock ``g``) stores that clock's times; its key expires
+that long after the caller's ``now`` plus the grace, and it is listed in the store's sorted
+set ``<prefix>:expiring`` by when it may be purged.
 """
 
 from __future__ import annotations
@@ -15,25 +27,37 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
+import struct
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ..._core.digest import key_ref
 from ..._core.keys import Scope, evict_hint
-from ..._core.record import Acquired, Record, Replay, Reservation, Status, judge
+from ..._core.record import Acquired, Mismatch, Record, Replay, Reservation, Status, judge
 from ...errors import ConfigurationError, CorruptRecordError, FencedError, StoreError
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 _MS = timedelta(milliseconds=1)
-_STATES = frozenset(status.value for status in Status)
 
-# The nonce's place in the reserve script's ARGV.
-_NONCE = 8
-# The fields of the reserve script's answers, by position (reserve.lua lists the shapes).
-_REPLY_FIELDS = (b"fp", b"st", b"tok", b"le", b"resp", b"ca", b"ua", b"ea", b"rp")
-_REPLAY_FIELDS = (b"st", b"tok", b"resp", b"ca", b"ua", b"ea", b"rp")
+HEADER = struct.Struct(">ccqqqqq8sHHHHB")
+HEADER_SIZE = HEADER.size  # 59
+_TOKEN = struct.Struct(">q")
+_PACKED_FP = 0x8000  # the fingerprint's length code for 64 hex digits stored as 32 bytes
+_MAX_STRING = 0xFFFF
+
+IN_PROGRESS, COMPLETED, FAILED, TOMBSTONE = b"i", b"c", b"f", b"x"
+REDIS_CLOCK, GIVEN_CLOCK, DERIVED_CLOCK = b"r", b"g", b"d"
+_STATUSES = {IN_PROGRESS: Status.IN_PROGRESS, COMPLETED: Status.COMPLETED, FAILED: Status.FAILED}
+_STATES = {Status.COMPLETED: "c", Status.FAILED: "f"}
+_CLOCKS = frozenset({REDIS_CLOCK, GIVEN_CLOCK, DERIVED_CLOCK})
+
+# How much of each value a listing reads: the header and the strings before the response.
+LISTED_BYTES = 4096
 
 
 def micros(moment: datetime | None) -> str:
@@ -41,12 +65,17 @@ def micros(moment: datetime | None) -> str:
     return "" if moment is None else str((moment - _EPOCH) // _US)
 
 
-def _span(delta: timedelta) -> str:
-    return str(delta // _US)
+def us(moment: datetime) -> int:
+    """A time as records store it: µs since the epoch."""
+    return (moment - _EPOCH) // _US
 
 
-def _time(value: bytes) -> datetime:
-    return _EPOCH + timedelta(microseconds=int(value))
+def _span(delta: timedelta) -> int:
+    return delta // _US
+
+
+def _time(value: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=value)
 
 
 def corrupt(scope: Scope, why: object) -> CorruptRecordError:
@@ -57,62 +86,104 @@ def corrupt(scope: Scope, why: object) -> CorruptRecordError:
     )
 
 
-def stored_record(fields: dict[bytes, bytes], scope: Scope) -> Record | None:
-    """The record an HGETALL answered (None for no key); the scope is the one stored in it."""
-    if not fields:
-        return None
+def packed_token(token: int) -> bytes:
+    """A token as the record stores it, for a script to compare."""
     try:
-        stored = Scope(
-            principal=fields[b"p"].decode(),
-            operation=fields[b"o"].decode(),
-            key=fields[b"k"].decode(),
-        )
-    except (KeyError, UnicodeDecodeError) as exc:
-        raise corrupt(scope, f"scope fields: {exc!r}") from exc
-    return _fields_record(fields, stored)
-
-
-def _fields_record(f: dict[bytes, bytes], scope: Scope) -> Record:
-    """The record from its fields; `CorruptRecordError` if any is missing or malformed."""
-    try:
-        status = Status(f[b"st"].decode())
-        # A settled record keeps the 'le' of its last lease (see the scripts): it means nothing.
-        lease = f.get(b"le") if status is Status.IN_PROGRESS else None
-        point = f.get(b"rp")
-        record = Record(
-            scope=scope,
-            fingerprint=f[b"fp"].decode(),
-            status=status,
-            token=int(f[b"tok"]),
-            lease_expires_at=_time(lease) if lease is not None else None,
-            response=f.get(b"resp"),
-            created_at=_time(f[b"ca"]),
-            updated_at=_time(f[b"ua"]),
-            expires_at=_time(f[b"ea"]),
-            recovery_point=point.decode() if point is not None else None,
-        )
-    except (KeyError, ValueError, OverflowError) as exc:  # UnicodeDecodeError is a ValueError
-        raise corrupt(scope, f"field {exc!r}") from exc
-    if record.status is Status.IN_PROGRESS and record.lease_expires_at is None:
-        raise corrupt(scope, "an in-progress record without a lease")
-    if record.status is not Status.IN_PROGRESS and record.response is None:
-        raise corrupt(scope, "a settled record without a response")
-    return record
+        return _TOKEN.pack(token)
+    except struct.error:
+        return b"\x00" * 8  # no record has it
 
 
 @functools.lru_cache(maxsize=4096)
-def _digest(scope: Scope) -> str:
-    """The scope's part of its key name. Cached: a fresh call names its key twice (reserve,
+def _named(prefix: str, scope: Scope) -> tuple[str, str, bytes, int, int, int]:
+    """The scope's key name, its digest, and its strings as a record stores them (principal,
+    operation, key) with their lengths. Cached: a fresh call names its key twice (reserve,
     then settle) and a hot replay names the same key again and again."""
     triple = json.dumps([scope.principal, scope.operation, scope.key])
-    return hashlib.sha256(triple.encode()).hexdigest()
+    digest = hashlib.sha256(triple.encode()).hexdigest()
+    p, o, k = scope.principal.encode(), scope.operation.encode(), scope.key.encode()
+    if max(len(p), len(o)) > _MAX_STRING:
+        raise ConfigurationError(
+            "a Redis store keeps a principal and an operation of at most 65535 bytes each"
+        )
+    return f"{prefix}:{{{digest}}}", digest, p + o + k, len(p), len(o), len(k)
+
+
+def stored_fingerprint(fingerprint: str) -> tuple[bytes, int]:
+    """The fingerprint as a record stores it, and its length code."""
+    if len(fingerprint) == 64:
+        try:
+            raw = bytes.fromhex(fingerprint)
+        except ValueError:
+            pass
+        else:
+            if raw.hex() == fingerprint:
+                return raw, _PACKED_FP | 32
+    stored = fingerprint.encode()
+    if len(stored) >= _PACKED_FP:
+        raise ConfigurationError("a Redis store keeps a fingerprint of at most 32767 bytes")
+    return stored, len(stored)
+
+
+class TokenClock:
+    """Redis's clock in µs as this process estimates it, for the tokens of fresh reservations.
+
+    A fresh reservation is one plain ``SET NX``: its token is chosen before Redis sees it.
+    The estimate is a reading of Redis's ``TIME`` (taken at the middle of its round trip)
+    plus the time since on the host's boot clock, which no change of the host's wall clock
+    moves; it is read again every `FRESH_FOR` seconds. Tokens this process hands out only grow
+    (one past the last when the estimate has not moved), across every store of the process.
+    """
+
+    FRESH_FOR = 30 * 10**9  # ns
+
+    _lock = threading.Lock()
+    _last = 0  # the process's last token, shared by every store
+
+    def __init__(self) -> None:
+        self._anchor: tuple[int, int] | None = None  # (Redis's µs, boot clock ns)
+
+    @staticmethod
+    def ticks() -> int:
+        """The host's boot clock in ns (monotonic, and counting while the host sleeps)."""
+        return time.clock_gettime_ns(_BOOT_CLOCK)
+
+    def stale(self) -> bool:
+        return self._anchor is None or self.ticks() - self._anchor[1] > self.FRESH_FOR
+
+    def anchor(self, reply: Any, sent: int, received: int) -> None:
+        """Learn Redis's clock from a ``TIME`` reply sent at ``sent`` and answered at
+        ``received`` (`ticks`); a cluster client answers it per node."""
+        if isinstance(reply, dict):
+            reply = next(iter(reply.values()))
+        seconds, us = reply
+        self._anchor = (int(seconds) * 1_000_000 + int(us), (sent + received) // 2)
+
+    def token(self) -> int:
+        assert self._anchor is not None
+        server_us, at = self._anchor
+        estimate = server_us + (self.ticks() - at) // 1000
+        with TokenClock._lock:
+            token = max(estimate, TokenClock._last + 1)
+            TokenClock._last = token
+        return token
+
+    @classmethod
+    def seen(cls, token: int) -> None:
+        """A token Redis handed out (a takeover's): later fresh ones grow past it."""
+        with cls._lock:
+            cls._last = max(cls._last, token)
+
+
+_BOOT_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 
 
 class Keys:
-    """A store's key names and the arguments of its scripts.
+    """A store's key names and the values and arguments of its calls.
 
-    A record lives in one hash at ``<prefix>:{<sha256 hex>}``: user strings never appear in
-    key names, and the braces are a Redis Cluster hash tag.
+    A record lives at ``<prefix>:{<sha256 hex>}``: user strings never appear in key names,
+    and the braces are a Redis Cluster hash tag. Records on a given clock are also listed in
+    ``<prefix>:expiring``.
 
     >>> keys = Keys("payments", timedelta(minutes=1))
     >>> keys.key(Scope("alice", "POST /payments", "k1"))
@@ -126,111 +197,281 @@ class Keys:
         self.grace_ms = max(1, expiry_grace // _MS)
         escaped = "".join("\\" + c if c in "*?[]\\" else c for c in prefix)
         self.pattern = escaped + ":{*}"
+        self.expiring = f"{prefix}:expiring"
+        self.clock = TokenClock()
 
     def key(self, scope: Scope) -> str:
-        return f"{self.prefix}:{{{_digest(scope)}}}"
+        return _named(self.prefix, scope)[0]
+
+    def digest(self, scope: Scope) -> str:
+        return _named(self.prefix, scope)[1]
+
+    def record_key(self, digest: bytes | str) -> str:
+        """The key of the record an ``expiring`` entry names."""
+        name = digest.decode() if isinstance(digest, bytes) else digest
+        return f"{self.prefix}:{{{name}}}"
+
+    def fresh(
+        self,
+        scope: Scope,
+        fingerprint: str,
+        token: int,
+        nonce: bytes,
+        now: datetime | None,
+        lease: timedelta,
+        ttl: timedelta,
+    ) -> tuple[bytes, int]:
+        """A fresh reservation's value, and its key's PX (ms)."""
+        _, _, strings, p, o, k = _named(self.prefix, scope)
+        fp, code = stored_fingerprint(fingerprint)
+        px = math.ceil((lease + ttl) / _MS)
+        if now is None:
+            header = HEADER.pack(
+                IN_PROGRESS, DERIVED_CLOCK, token, 0, 0, _span(lease), px * 1000, nonce,
+                code, 0, p, o, k,
+            )  # fmt: skip
+        else:
+            at = us(now)
+            header = HEADER.pack(
+                IN_PROGRESS, GIVEN_CLOCK, token, at, at, at + _span(lease),
+                at + _span(lease + ttl), nonce, code, 0, p, o, k,
+            )  # fmt: skip
+            px += self.grace_ms
+        return header + fp + strings, px
 
     def reserve_args(
         self,
         scope: Scope,
         fingerprint: str,
+        nonce: bytes,
         now: datetime | None,
         lease: timedelta,
         ttl: timedelta,
-    ) -> list[str | bytes]:
+    ) -> list[str | bytes | int]:
+        """The reserve script's arguments (lua/reserve.lua)."""
+        fp, code = stored_fingerprint(fingerprint)
         return [
             micros(now),
             _span(lease),
-            _span(lease + ttl),
-            str((lease + ttl) // _MS + self.grace_ms),
-            fingerprint,
-            scope.principal,
-            scope.operation,
-            scope.key,
-            os.urandom(9).hex(),  # this attempt's nonce
+            _span(ttl),
+            self.grace_ms,
+            nonce,
+            fp,
+            code,
+            scope.principal.encode(),
+            scope.operation.encode(),
+            scope.key.encode(),
         ]
 
     def settle_args(
         self, token: int, status: Status, response: bytes, now: datetime | None, ttl: timedelta
-    ) -> list[str | bytes]:
+    ) -> list[str | bytes | int]:
+        return [token, _STATES[status], bytes(response), micros(now), _span(ttl), self.grace_ms]
+
+    def renew_args(
+        self, token: int, now: datetime | None, lease: timedelta
+    ) -> list[str | bytes | int]:
+        return [packed_token(token), micros(now), _span(lease), self.grace_ms]
+
+    def listing(
+        self, digest: str, due: int, px: int
+    ) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+        """The commands that list a record on a given clock in ``expiring`` (due: when it may
+        be purged, µs), keeping the list at least as long as the record's key (``px``, ms)."""
         return [
-            str(token),
-            status.value,
-            bytes(response),
-            micros(now),
-            _span(ttl),
-            str(ttl // _MS + self.grace_ms),
+            ("zadd", (self.expiring, {digest: due}), {}),
+            ("pexpire", (self.expiring, px), {"nx": True}),
+            ("pexpire", (self.expiring, px), {"gt": True}),
         ]
 
-    def renew_args(self, token: int, now: datetime | None, lease: timedelta) -> list[str | bytes]:
-        return [str(token), micros(now), _span(lease), str(self.grace_ms)]
+
+def release_args(token: int) -> list[str | bytes | int]:
+    return ["t", packed_token(token)]
 
 
-def release_args(token: int) -> list[str | bytes]:
-    return ["tok", str(token)]
+def undo_args(nonce: bytes) -> list[str | bytes | int]:
+    """The release script's arguments that release the reservation made with ``nonce``, if
+    it was made and is still in progress."""
+    return ["n", nonce]
 
 
-def undo_args(reserve_args: list[str | bytes]) -> list[str | bytes]:
-    """The release script's arguments that delete the reservation made with ``reserve_args``
-    (by its nonce), if it was made and is still in progress."""
-    return ["n", reserve_args[_NONCE]]
+# -- decoding --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class Stored:
+    """A decoded value: its state and clock bytes, token and nonce, and the record (None for
+    a tombstone)."""
+
+    state: bytes
+    clock: bytes
+    token: int
+    nonce: bytes
+    record: Record | None
+
+
+def decode(
+    value: bytes, scope: Scope | None, expiry_ms: int | None = None, *, own_scope: bool = False
+) -> Stored:
+    """The record in ``value``. ``scope``: the caller's, which errors name and the record
+    carries, unless ``own_scope`` (or no scope) asks for the one stored in it.
+    ``expiry_ms``: the key's PEXPIRETIME, which a record of clock ``d`` derives its times
+    from. `CorruptRecordError` (naming ``scope``), or ValueError without one, for bytes that
+    are not a record."""
+    try:
+        st, clk, token, ca, ua, le, ea, nonce, fpn, rpn, pn, on, kn = HEADER.unpack_from(value)
+    except struct.error as exc:
+        raise _bad(scope, f"{len(value)} bytes, not a record") from exc
+    if clk not in _CLOCKS or (st not in _STATUSES and st != TOMBSTONE):
+        raise _bad(scope, "an unknown state or clock")
+    if clk == DERIVED_CLOCK:
+        if expiry_ms is None or expiry_ms < 0:
+            raise _bad(scope, "its key has no expiry")
+        ea, ca = expiry_ms * 1000, expiry_ms * 1000 - ea
+        ua, le = ca, ca + le
+    if st == TOMBSTONE:
+        return Stored(st, clk, token, nonce, None)
+    fp_end = HEADER_SIZE + (fpn & 0x7FFF)
+    rp_end = fp_end + (rpn - 1 if rpn else 0)
+    p_end = rp_end + pn
+    o_end = p_end + on
+    body = o_end + kn
+    if len(value) < body:
+        raise _bad(scope, "shorter than its strings")
+    raw = value[HEADER_SIZE:fp_end]
+    try:
+        fingerprint = raw.hex() if fpn & _PACKED_FP else raw.decode()
+        point = value[fp_end:rp_end].decode() if rpn else None
+        if scope is None or own_scope:
+            scope = Scope(value[rp_end:p_end].decode(), value[p_end:o_end].decode(),
+                          value[o_end:body].decode())  # fmt: skip
+    except UnicodeDecodeError as exc:
+        raise _bad(scope, "a string that is not UTF-8") from exc
+    status = _STATUSES[st]
+    settled = st != IN_PROGRESS
+    record = Record(
+        scope=scope,
+        fingerprint=fingerprint,
+        status=status,
+        token=token,
+        lease_expires_at=None if settled else _time(le),
+        response=value[body:] if settled else None,
+        created_at=_time(ca),
+        updated_at=_time(ua),
+        expires_at=_time(ea),
+        recovery_point=point,
+    )
+    return Stored(st, clk, token, nonce, record)
+
+
+def _bad(scope: Scope | None, why: str) -> Exception:
+    return ValueError(why) if scope is None else corrupt(scope, why)
+
+
+def derived(value: bytes) -> bool:
+    """Whether ``value`` is a record whose times derive from its key's expiry."""
+    return value[1:2] == DERIVED_CLOCK
+
+
+def found(
+    value: bytes, scope: Scope, fingerprint: str, now: datetime | None, nonce: bytes
+) -> Reservation | None:
+    """What the record a fresh reservation's ``SET NX GET`` found means, when the caller can
+    tell without Redis's clock; None when the reserve script must judge (and maybe take it
+    over)."""
+    stored = decode(value, scope) if not derived(value) else None
+    if stored is None:
+        # A fresh reservation on Redis's clock: only its own nonce is judged here (a SET
+        # re-sent after a lost reply finds the reservation it made).
+        if value[:1] == IN_PROGRESS and value[42:50] == nonce:
+            return Acquired(token=HEADER.unpack_from(value)[2])
+        return None
+    record = stored.record
+    if record is None:  # a tombstone: the script makes the new record past its token
+        return None
+    if stored.state == IN_PROGRESS and stored.nonce == nonce:
+        return Acquired(token=record.token, recovery_point=record.recovery_point)
+    if now is None:
+        if stored.clock != REDIS_CLOCK or stored.state == IN_PROGRESS:
+            return None
+        # On Redis's clock the key expires when the retention ends: this one is inside it.
+        return Replay(record) if record.fingerprint == fingerprint else Mismatch(record)
+    return judge(record, fingerprint, now)
 
 
 def reservation(reply: Any, scope: Scope, fingerprint: str, now: datetime | None) -> Reservation:
-    """What the reserve script answered (reserve.lua lists the shapes), judged against the
-    ``now`` it decided with: the caller's, or Redis's TIME that the script answers."""
-    if isinstance(reply, int):
-        return Acquired(token=reply)
+    """What the reserve script answered (lua/reserve.lua lists the shapes), judged against
+    the ``now`` it decided with: the caller's, or Redis's TIME that the script answers."""
     kind = int(reply[0])
     if kind == 1:
-        point = reply[2]
+        token, point = int(reply[1]), reply[2]
+        TokenClock.seen(token)
         return Acquired(
-            token=int(reply[1]),
+            token=token,
             recovery_point=point.decode() if isinstance(point, bytes) else None,
-            taken_over=len(reply) > 3,
+            taken_over=bool(int(reply[3])),
         )
     if kind == 2:
         why = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
         raise corrupt(scope, why)
-    # A missing field comes back as nil (RESP2) or false (RESP3).
-    if kind == 3:
-        fields = {
-            n: v for n, v in zip(_REPLAY_FIELDS, reply[1:], strict=True) if isinstance(v, bytes)
-        }
-        fields[b"fp"] = fingerprint.encode()
-        return Replay(_fields_record(fields, scope))
-    fields = {n: v for n, v in zip(_REPLY_FIELDS, reply[2:], strict=True) if isinstance(v, bytes)}
-    if now is None:
-        now = _EPOCH + timedelta(microseconds=int(reply[1]))
-    verdict = judge(_fields_record(fields, scope), fingerprint, now)
+    _, at, value, expiry = reply
+    stored = decode(value, scope, int(expiry))
+    if stored.record is None:
+        raise StoreError(f"{key_ref(scope.key)}: the reserve script answered a tombstone")
+    verdict = judge(stored.record, fingerprint, now or _time(int(at)))
     if verdict is None:  # the script takes over whatever judge would
         raise StoreError(f"{key_ref(scope.key)}: the reserve script answered a free record")
     return verdict
 
 
-def fenced(done: Any, scope: Scope, token: int) -> None:
-    """A settle's or renewal's answer: 0 means the token no longer holds the record."""
+def upgraded(reply: Any, scope: Scope) -> bytes:
+    """The upgrade script's answer: the record's new value."""
+    if int(reply[0]) == 2:
+        why = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+        raise corrupt(scope, why)
+    value: bytes = reply[1]
+    return value
+
+
+def fenced(done: Any, scope: Scope, token: int) -> int:
+    """A settle's or renewal's answer: 0 means the token no longer holds the record; else the
+    end of the record's retention (µs)."""
     if not int(done):
         raise FencedError(f"{key_ref(scope.key)}: token {token} is stale")
+    return int(done)
 
 
-# What a listing reads of each hash: everything but the response.
-LISTED_FIELDS = (b"p", b"o", b"k", b"fp", b"st", b"tok", b"le", b"ca", b"ua", b"ea", b"rp")
+def wrong_type(reply: Any) -> bool:
+    """Whether a command's reply is Redis's WRONGTYPE error: a key of another type (a record
+    of the previous layout is a hash)."""
+    return isinstance(reply, Exception) and str(reply).startswith("WRONGTYPE")
 
 
-def listed_record(reply: Any) -> Record | None:
-    """The record (without its response) from an HMGET of `LISTED_FIELDS`; None for a key
-    that holds no record (another type, or a hash without a scope to name it by)."""
-    if not isinstance(reply, list) or len(reply) != len(LISTED_FIELDS):
+def listed_record(value: Any, expiry_ms: Any) -> Record | None:
+    """The record (without its response) from the first `LISTED_BYTES` of a value; None for a
+    key that holds no record (another type, a tombstone, bytes idempo cannot read)."""
+    if not isinstance(value, bytes):
         return None
-    fields = {n: v for n, v in zip(LISTED_FIELDS, reply, strict=True) if isinstance(v, bytes)}
     try:
-        scope = Scope(fields[b"p"].decode(), fields[b"o"].decode(), fields[b"k"].decode())
-    except (KeyError, UnicodeDecodeError):
+        stored = decode(value, None, expiry_ms if isinstance(expiry_ms, int) else None)
+    except (ValueError, IndexError):
         return None
-    # The response is not read: a placeholder passes the settled-record check, then goes.
-    record = _fields_record({**fields, b"resp": b""}, scope)
-    return dataclasses.replace(record, response=None)
+    if stored.record is None:
+        return None
+    return dataclasses.replace(stored.record, response=None)
+
+
+def listed_whole(value: Any) -> bool:
+    """Whether the first `LISTED_BYTES` of a value hold all its strings (else it is read
+    whole)."""
+    if not isinstance(value, bytes) or len(value) < LISTED_BYTES:
+        return True
+    try:
+        *_, fpn, rpn, pn, on, kn = HEADER.unpack_from(value)
+    except struct.error:
+        return True
+    strings: int = (fpn & 0x7FFF) + max(rpn - 1, 0) + pn + on + kn
+    return HEADER_SIZE + strings <= len(value)
 
 
 def page(reply: Any) -> tuple[int, list[Any]]:
@@ -242,10 +483,22 @@ def page(reply: Any) -> tuple[int, list[Any]]:
     return int(cursor), list(keys)
 
 
-def count(statuses: list[Any], counts: dict[str, int]) -> None:
-    """Add to ``counts`` the records per state from HGET replies; keys holding something
-    else are skipped."""
-    for status in statuses:
-        if isinstance(status, bytes) and status.decode(errors="replace") in _STATES:
-            name = status.decode()
-            counts[name] = counts.get(name, 0) + 1
+def count(states: list[Any], counts: dict[str, int]) -> None:
+    """Add to ``counts`` the records per state from one-byte GETRANGE replies; tombstones and
+    keys holding something else are skipped."""
+    for state in states:
+        status = _STATUSES.get(state) if isinstance(state, bytes) else None
+        if status is not None:
+            counts[status.value] = counts.get(status.value, 0) + 1
+
+
+def redis_now(reply: Any) -> int:
+    """A TIME reply in µs (a cluster client answers it per node)."""
+    if isinstance(reply, dict):
+        reply = next(iter(reply.values()))
+    seconds, us = reply
+    return int(seconds) * 1_000_000 + int(us)
+
+
+def new_nonce() -> bytes:
+    return os.urandom(8)

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import redis
 import redis.cluster
+import redis.exceptions
 import redis.retry
 
 from ..._core.keys import Scope
@@ -16,8 +17,8 @@ from .._scan import ScanFilter
 from . import _ops
 from ._connect import connect
 from ._errors import ERRORS, translated
-from ._ops import Batch, Call, Command, Run
-from ._protocol import Keys
+from ._ops import Batch, Call, Command, Place, Run
+from ._protocol import Keys, wrong_type
 from ._scripts import SCRIPTS
 
 T = TypeVar("T")
@@ -58,6 +59,7 @@ class RedisStore:
         self._keys = Keys(prefix, expiry_grace)
         self._cluster = isinstance(built, redis.cluster.RedisCluster)
         self._scripts = {name: built.register_script(text) for name, text in SCRIPTS.items()}
+        self._place = Place()
 
     def _drive(self, flow: Generator[Call, Any, T]) -> T:
         """Carry out the calls ``flow`` yields; its result."""
@@ -67,7 +69,9 @@ class RedisStore:
                 try:
                     reply = self._do(call)
                 except ERRORS as exc:
-                    raise translated(exc, call.scope) from exc
+                    if not (isinstance(call, Command) and call.errors and wrong_type(exc)):
+                        raise translated(exc, call.scope) from exc
+                    reply = exc
                 call = flow.send(reply)
         except StopIteration as stop:
             result: T = stop.value
@@ -75,19 +79,30 @@ class RedisStore:
 
     def _do(self, call: Call) -> Any:
         if isinstance(call, Run):
-            return self._scripts[call.script](keys=[call.key], args=call.args)
+            return self._evalsha(call)
         if isinstance(call, Command):
             return getattr(self.client, call.name)(*call.args, **call.options)
         if isinstance(call, Batch):
             pipe = self.client.pipeline(transaction=False)
             for each in call.calls:
                 if isinstance(each, Run):
-                    self._scripts[each.script](keys=[each.key], args=each.args, client=pipe)
+                    self._scripts[each.script](keys=each.keys, args=each.args, client=pipe)
                 else:
                     getattr(pipe, each.name)(*each.args, **each.options)
             return pipe.execute(raise_on_error=call.raise_on_error)
         assert isinstance(self.client, redis.cluster.RedisCluster)
         return self.client.get_primaries()  # type: ignore[no-untyped-call]
+
+    def _evalsha(self, run: Run) -> Any:
+        """``run`` as one EVALSHA (redis-py's Script adds argument checks the hot path pays
+        for); a server that lost the script gets it again."""
+        script = self._scripts[run.script]
+        try:
+            return self.client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(run.keys), *run.keys, *run.args
+            )
+        except redis.exceptions.NoScriptError:
+            return script(keys=run.keys, args=run.args)  # loads it, then runs it
 
     def reserve(
         self,
@@ -130,7 +145,7 @@ class RedisStore:
         return self._drive(_ops.evict(self._keys, scope))
 
     def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
-        return self._drive(_ops.purge(self._keys, before, limit, self._cluster))
+        return self._drive(_ops.purge(self._keys, self._place, before, limit, self._cluster))
 
     def stats(self) -> dict[str, int]:
         """How many records are in each state (a SCAN over the prefix)."""

@@ -1,12 +1,23 @@
--- KEYS[1] record. ARGV: before ('' for Redis's clock). Deletes it if its retention (and any
--- lease) ended by then; a key holding no readable record is left for evict. (Runs after
--- common.lua.)
-local r = redis.pcall('HMGET', KEYS[1], 'st', 'ea', 'le')
-if r.err then return 0 end
-local ea = tonumber(r[2])
-if not (r[1] and ea) then return 0 end
+-- KEYS: records (on a cluster, one). ARGV: before ('' for Redis's clock). For each key, in
+-- order: -1 if it was deleted (its retention, and any lease, ended by then), -3 if it was a
+-- tombstone so deleted, -2 if it holds nothing idempo can read (left alone), else when it
+-- may be purged (µs).
 local before = clock(ARGV[1])
-if ea > before then return 0 end
-local le = tonumber(r[3])
-if r[1] == 'in_progress' and le and le > before then return 0 end
-return redis.call('DEL', KEYS[1])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local r = parse(redis.pcall('GETRANGE', key, 0, 58), false)
+  if not (r and derive(r, key)) then
+    out[i] = -2
+  else
+    local due = r.ea
+    if r.st == 'i' and r.le > due then due = r.le end
+    if due <= before then
+      redis.call('DEL', key)
+      out[i] = -1
+      if r.st == 'x' then out[i] = -3 end
+    else
+      out[i] = due
+    end
+  end
+end
+return out

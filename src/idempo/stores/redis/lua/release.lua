@@ -1,10 +1,14 @@
--- KEYS[1] record. ARGV: the name of the field to match ('tok' or 'n') and its value. Deletes
--- an in-progress record held with that token (release), or reserved with that nonce (the
--- undo of a reserve whose caller never heard the answer). A repeat finds nothing to delete:
--- tokens and nonces are never reused. A record with a recovery point is never deleted: the
--- steps it names committed, and its lease ends on its own.
-local r = redis.pcall('HMGET', KEYS[1], ARGV[1], 'st', 'rp')
-if not r.err and r[1] == ARGV[2] and r[2] == 'in_progress' and not r[3] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
+-- KEYS[1] record. ARGV: 't' and a token, or 'n' and a nonce (8 bytes each, as stored).
+-- Releases an in-progress record held with that token (release), or reserved with that
+-- nonce (the undo of a reserve whose caller never heard the answer): it becomes a tombstone
+-- that keeps the token, so the next reservation's grows past it, until the record's own
+-- retention ends. A repeat finds nothing to release: tokens and nonces are never reused. A
+-- record with a recovery point is never released: the steps it names committed, and its
+-- lease ends on its own. Answers 1 or 0.
+local v = redis.pcall('GET', KEYS[1])
+if type(v) ~= 'string' or #v < 59 or string.sub(v, 1, 1) ~= 'i' then return 0 end
+local at = 3
+if ARGV[1] == 'n' then at = 43 end
+if string.sub(v, at, at + 7) ~= ARGV[2] or string.sub(v, 53, 54) ~= '\0\0' then return 0 end
+redis.call('SET', KEYS[1], tombstone(v), 'KEEPTTL')
+return 1

@@ -1,72 +1,56 @@
--- KEYS[1] record. ARGV: now, lease, lease + ttl (µs), lease + ttl + grace (ms), fingerprint,
--- principal, operation, key, nonce. Answers, for the caller to decode (_codec.reservation):
---   token                     acquired, an integer reply (the common case, the shortest)
---   {1, token, point}         acquired again (the nonce), with its recovery point
---   {1, token, point, 1}      acquired by taking over an attempt whose lease ended
---   {3, st, tok, resp, ca, ua, ea, rp}      a replay: a settled record with this fingerprint
---   {0, now, fp, st, tok, le, resp, ca, ua, ea, rp}   a record to judge at ``now``
---   {2, why}                  the key holds nothing idempo can read
--- Fields are answered by position, without names or the scope the caller knows (a replay's
--- reply is parsed in Python, where every element costs too).
+-- KEYS[1] record. ARGV: now ('' for Redis's clock), lease, ttl (µs), grace (ms), nonce,
+-- fingerprint (as stored), its length code, principal, operation, key.
 --
--- A token is max(old token + 1, Redis's clock in µs): it grows on a takeover, and a record
--- created after the last one was deleted (released, purged, expired, evicted) still starts
--- past every token the key had, as long as Redis's clock does not step back.
---
--- The nonce is the caller's, new for each reserve: redis-py re-sends a command whose
--- connection broke, and a re-sent reserve that finds its own reservation gets it back instead
--- of reporting the key in progress. release.lua deletes a reservation by its nonce too.
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = t[1] * 1000000 + t[2]
-else
-  now = tonumber(ARGV[1])
+-- The reservation's second step, after a plain SET NX found a record the caller could not
+-- judge alone (one in progress, a tombstone, a record on another clock, one of the previous
+-- layout): take it over if its lease or its retention ended, else hand it back. Answers
+-- (_protocol.reservation decodes them):
+--   {1, token, point, taken}   acquired; taken is 1 for a takeover of an ended lease
+--   {0, now, value, expiry}    the record, for the caller to judge at ``now`` (expiry: the
+--                              key's PEXPIRETIME when its times derive from it, else 0)
+--   {2, why}                   the key holds nothing idempo can read
+-- A token is max(old token + 1, Redis's clock in µs): it grows on every takeover, past a
+-- tombstone's, and past the clock the fresh reservations' tokens estimate.
+local key = KEYS[1]
+local given = ARGV[1] ~= ''
+local t = redis.call('TIME')
+local clock_now = t[1] * 1000000 + t[2]
+local now = clock_now
+if given then now = tonumber(ARGV[1]) end
+local v = redis.pcall('GET', key)
+if type(v) == 'table' then
+  local why
+  v, why = upgrade(key, clock_now)
+  if not v then return {2, why} end
 end
-local created = false
-local point = false
-local old = false
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local r = redis.pcall('HMGET', KEYS[1], 'fp', 'st', 'tok', 'resp', 'ca', 'ua', 'ea', 'rp')
-  if r.err then return {2, r.err} end
-  local st, ea = r[2], tonumber(r[7])
-  if not (ea and r[1] and r[3] and (st == 'in_progress' or st == 'completed' or st == 'failed'))
-  then
-    return {2, 'fields missing or malformed'}
-  end
-  if ea > now then
-    if st ~= 'in_progress' then
-      if r[1] == ARGV[5] then return {3, st, r[3], r[4], r[5], r[6], r[7], r[8]} end
-      return {0, now, r[1], st, r[3], false, r[4], r[5], r[6], r[7], r[8]}
+local old, created, point, taken = false, false, false, 0
+if v then
+  local r = parse(v, true)
+  if not (r and derive(r, key)) then return {2, 'not a record idempo can read'} end
+  old = r.tok
+  if r.st ~= 'x' and r.ea > now then
+    local expiry = 0
+    if r.clk == 'd' then expiry = r.ea / 1000 end
+    if r.st ~= 'i' then return {0, now, v, expiry} end
+    if r.nonce == ARGV[5] then
+      if r.rpn > 0 then return {1, r.tok, string.sub(v, r.fp_end + 1, r.rp_end), 0} end
+      return {1, r.tok, false, 0}
     end
-    local l = redis.call('HMGET', KEYS[1], 'le', 'n')
-    local le = tonumber(l[1])
-    if not le then return {2, 'an in-progress record without a lease'} end
-    if l[2] == ARGV[9] then return {1, r[3], r[8]} end
-    if r[1] ~= ARGV[5] or le > now then
-      return {0, now, r[1], st, r[3], l[1], r[4], r[5], r[6], r[7], r[8]}
-    end
-    created = r[5]
-    point = r[8]
+    if string.sub(v, 60, r.fp_end) ~= ARGV[6] or r.le > now then return {0, now, v, expiry} end
+    created, taken = r.ca, 1
+    if r.rpn > 0 then point = string.sub(v, r.fp_end + 1, r.rp_end) end
   end
-  old = tonumber(r[3])
-  if not old then return {2, 'fields missing or malformed'} end
-  redis.call('DEL', KEYS[1])
 end
-local token = now
-if ARGV[1] ~= '' then
-  local t = redis.call('TIME')
-  token = t[1] * 1000000 + t[2]
-end
+local token = clock_now
 if old and old >= token then token = old + 1 end
-local stamp = ARGV[1]
-if stamp == '' then stamp = string.format('%d', now) end
-local tok = stamp
-if token ~= now then tok = string.format('%d', token) end
-redis.call('HSET', KEYS[1], 'p', ARGV[6], 'o', ARGV[7], 'k', ARGV[8], 'fp', ARGV[5],
-  'st', 'in_progress', 'tok', tok, 'le', string.format('%d', now + ARGV[2]),
-  'ca', created or stamp, 'ua', stamp, 'ea', string.format('%d', now + ARGV[3]), 'n', ARGV[9])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if point then redis.call('HSET', KEYS[1], 'rp', point) end
-if created then return {1, tok, point, 1} end
-return token
+local ea = now + ARGV[2] + ARGV[3]
+local clk = 'r'
+if given then clk = 'g' end
+local rpn = 0
+if point then rpn = #point + 1 end
+redis.call('SET', key,
+  struct.pack(HEADER, 'i', clk, token, created or now, now, now + ARGV[2], ea, ARGV[5], ARGV[7],
+    rpn, #ARGV[8], #ARGV[9], #ARGV[10])
+  .. ARGV[6] .. (point or '') .. ARGV[8] .. ARGV[9] .. ARGV[10],
+  'PX', px(ea, now, given, ARGV[4]))
+return {1, token, point, taken}

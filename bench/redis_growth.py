@@ -1,0 +1,321 @@
+"""The Redis store at scale: memory per record, latency as the keyspace grows, and purge.
+
+Records are loaded through the store's own operations (`idempo.stores.redis._ops`, the same
+flows `RedisStore` drives), many at a time in one pipeline per step, so the bench writes
+exactly what the store writes, whatever its layout, at pipelined speed. Every key lives under
+a prefix of this run's own, deleted at the end (also after a failure).
+
+1. **Memory.** ``used_memory`` before and after loading ``--records`` completed records (on
+   Redis's clock, a ``--response-bytes`` response each), per record.
+2. **Latency as the keyspace grows.** p50/p99 of a fresh call (reserve, complete: the store's
+   verbs, one call at a time) and of a replay (reserve of a completed record, a random one of
+   those loaded) with 10⁴ records loaded, then with ``--records``.
+3. **Purge.** ``--purge-records`` more records (default: ``--records``), completed on a clock
+   two days back, so their retention is over: ``purge(limit=1000)`` until it finds no more,
+   records/s. Meanwhile a second process makes paced live calls (a fresh call every 2 ms)
+   under the same prefix, and its p99 during the purge is compared with its p99 in the
+   seconds before and after. Then one more ``purge()`` over the keyspace where nothing is
+   expired: how long a purge that finds nothing takes.
+
+Usage: python bench/redis_growth.py [--records N] [--purge-records N] [--url URL]
+                                    [--response-bytes B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import secrets
+import statistics
+import time
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis
+
+from idempo import Scope, Status
+from idempo._core.record import Acquired, Replay
+from idempo.stores.redis import RedisStore, _ops
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+RUN_ID = secrets.token_hex(4)
+PREFIX = f"idempo-growth-{RUN_ID}"
+LEASE = timedelta(seconds=30)
+TTL = timedelta(hours=24)
+PIPELINE = 1000  # flows stepped together, one pipeline per step
+SAMPLES = 2000  # latency samples per measurement
+SMALL = 10_000
+PURGE_LIMIT = 1000
+LIVE_EVERY_S = 0.002
+QUIET_S = 4.0  # live calls measured before and after the purge
+
+
+def scope(n: int, kind: str = "live") -> Scope:
+    return Scope.of(f"{kind}-{n}", operation="POST /payments", principal=f"tenant-{n % 97}")
+
+
+def fingerprint(n: int) -> str:
+    return f"{n:064x}"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _add(pipe: Any, store: RedisStore, call: Any) -> int:
+    """Queue one call of a flow on ``pipe``; how many replies it will take."""
+    if isinstance(call, _ops.Batch):
+        for each in call.calls:
+            _add(pipe, store, each)
+        return len(call.calls)
+    if isinstance(call, _ops.Run):
+        keys = getattr(call, "keys", None) or [call.key]
+        store._scripts[call.script](keys=keys, args=call.args, client=pipe)
+        return 1
+    assert isinstance(call, _ops.Command), call
+    getattr(pipe, call.name)(*call.args, **call.options)
+    return 1
+
+
+def drive_many(store: RedisStore, flows: list[Generator[Any, Any, Any]]) -> list[Any]:
+    """Run ``flows`` side by side: each step sends every flow's next call in one pipeline."""
+    results: list[Any] = [None] * len(flows)
+    pending = []
+    for index, flow in enumerate(flows):
+        pending.append((index, flow, next(flow)))
+    while pending:
+        pipe = store.client.pipeline(transaction=False)
+        sizes = [_add(pipe, store, call) for _, _, call in pending]
+        replies = pipe.execute()
+        following = []
+        start = 0
+        for (index, flow, call), size in zip(pending, sizes, strict=True):
+            reply = (
+                replies[start]
+                if not isinstance(call, _ops.Batch)
+                else replies[start : start + size]
+            )
+            start += size
+            try:
+                following.append((index, flow, flow.send(reply)))
+            except StopIteration as stop:
+                results[index] = stop.value
+        pending = following
+    return results
+
+
+def completed(
+    store: RedisStore, s: Scope, fp: str, body: bytes, now: datetime | None
+) -> Generator[Any, Any, None]:
+    """One record, reserved and completed, as the guard leaves a fresh call."""
+    reservation = yield from _ops.reserve(store._keys, s, fp, now, LEASE, TTL)
+    assert isinstance(reservation, Acquired), reservation
+    yield from _ops.settle(store._keys, s, reservation.token, Status.COMPLETED, body, now, TTL)
+
+
+def load(
+    store: RedisStore, start: int, stop: int, kind: str, body: bytes, now: datetime | None
+) -> None:
+    for first in range(start, stop, PIPELINE):
+        flows = [
+            completed(store, scope(n, kind), fingerprint(n), body, now)
+            for n in range(first, min(stop, first + PIPELINE))
+        ]
+        drive_many(store, flows)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def used_memory(client: redis.Redis) -> int:
+    info: Any = client.info("memory")
+    return int(info["used_memory"])
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[int(len(ordered) * 0.99) - 1]
+
+
+_fresh_serial = iter(range(10**9))
+
+
+def fresh_latencies(store: RedisStore, body: bytes) -> list[float]:
+    out = []
+    for _ in range(SAMPLES):
+        s = scope(next(_fresh_serial), "fresh")
+        started = time.perf_counter_ns()
+        reservation = store.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL)
+        assert isinstance(reservation, Acquired), reservation
+        store.complete(s, reservation.token, body, now=None, ttl=TTL)
+        out.append((time.perf_counter_ns() - started) / 1000)
+    return out
+
+
+def replay_latencies(store: RedisStore, loaded: int) -> list[float]:
+    out = []
+    for _ in range(SAMPLES):
+        n = random.randrange(loaded)
+        started = time.perf_counter_ns()
+        verdict = store.reserve(scope(n), fingerprint(n), now=None, lease=LEASE, ttl=TTL)
+        out.append((time.perf_counter_ns() - started) / 1000)
+        assert isinstance(verdict, Replay), verdict
+    return out
+
+
+def latency_line(label: str, store: RedisStore, loaded: int, body: bytes) -> str:
+    fresh = percentiles(fresh_latencies(store, body))
+    replay = percentiles(replay_latencies(store, loaded))
+    return (
+        f"  {label:<16} fresh p50 {fresh[0]:7.0f} µs  p99 {fresh[1]:7.0f} µs"
+        f"   replay p50 {replay[0]:7.0f} µs  p99 {replay[1]:7.0f} µs"
+    )
+
+
+# --------------------------------------------------------------------------- the live caller
+
+
+def live_main(url: str, stop: Any, out: Any) -> None:
+    """A second process: a paced fresh call every LIVE_EVERY_S; (start time, µs) per call."""
+    store = RedisStore(url, prefix=PREFIX)
+    samples: list[tuple[float, float]] = []
+    body = b'{"id":"live"}'
+    n = 0
+    try:
+        next_at = time.monotonic()
+        while not stop.is_set():
+            s = scope(n, "ongoing")
+            n += 1
+            started = time.monotonic()
+            reservation = store.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL)
+            assert isinstance(reservation, Acquired), reservation
+            store.complete(s, reservation.token, body, now=None, ttl=TTL)
+            samples.append((started, (time.monotonic() - started) * 1e6))
+            next_at += LIVE_EVERY_S
+            pause = next_at - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            else:
+                next_at = time.monotonic()
+    finally:
+        store.close()
+        out.put(samples)
+
+
+@contextmanager
+def live_caller(url: str) -> Iterator[list[tuple[float, float]]]:
+    context = multiprocessing.get_context("spawn")
+    stop, out = context.Event(), context.Queue()
+    process = context.Process(target=live_main, args=(url, stop, out))
+    process.start()
+    samples: list[tuple[float, float]] = []
+    try:
+        yield samples
+    finally:
+        stop.set()
+        samples.extend(out.get(timeout=120))
+        process.join(30)
+
+
+def p99_between(samples: list[tuple[float, float]], start: float, stop: float) -> tuple[float, int]:
+    window = [us for at, us in samples if start <= at < stop]
+    if len(window) < 20:
+        return float("nan"), len(window)
+    return percentiles(window)[1], len(window)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def cleanup(url: str) -> int:
+    deleted = 0
+    with redis.Redis.from_url(url) as client:
+        keys = list(client.scan_iter(match=f"{PREFIX}*", count=1000))
+        for start in range(0, len(keys), 1000):
+            deleted += int(client.delete(*keys[start : start + 1000]))
+    return deleted
+
+
+def run(url: str, records: int, expired: int, response_bytes: int) -> None:
+    body = (b'{"id":"' + b"x" * response_bytes)[: max(response_bytes - 2, 0)] + b'"}'
+    body = body[:response_bytes]
+    store = RedisStore(url, prefix=PREFIX)
+    client = store.client
+    info: Any = client.info("server")
+    small = min(SMALL, records)
+    print(
+        f"Redis {info['redis_version']} at {url}; {records} records, responses of"
+        f" {len(body)} bytes; idempo from {os.path.dirname(_ops.__file__)}"
+    )
+    try:
+        before = used_memory(client)
+        started = time.perf_counter()
+        load(store, 0, small, "live", body, None)
+        print("latency (the store's verbs, one call at a time):")
+        print(latency_line(f"{small} records", store, small, body))
+        load(store, small, records, "live", body, None)
+        loaded_s = time.perf_counter() - started
+        grown = used_memory(client) - before
+        print(latency_line(f"{records} records", store, records, body))
+        print(
+            f"memory: {grown / records:.0f} bytes per record (used_memory +{grown / 2**20:.1f} MiB"
+            f" for {records} records, loaded at {records / loaded_s:,.0f} records/s)"
+        )
+
+        past = datetime.now(UTC) - timedelta(days=2)
+        load(store, 0, expired, "expired", body, past)
+        with live_caller(url) as samples:
+            time.sleep(QUIET_S)
+            purge_start = time.monotonic()
+            purged = 0
+            while (deleted := store.purge(before=None, limit=PURGE_LIMIT)) > 0:
+                purged += deleted
+            purge_s = time.monotonic() - purge_start
+            purge_stop = time.monotonic()
+            time.sleep(QUIET_S)
+        quiet = [
+            us
+            for at, us in samples
+            if purge_start - QUIET_S <= at < purge_start or purge_stop <= at < purge_stop + QUIET_S
+        ]
+        quiet_p99 = percentiles(quiet)[1] if len(quiet) >= 20 else float("nan")
+        during_p99, during_n = p99_between(samples, purge_start, purge_stop)
+        print(
+            f"purge: {purged} expired records in {purge_s:.2f} s, {purged / purge_s:,.0f}"
+            f" records/s (limit {PURGE_LIMIT} per call)"
+        )
+        print(
+            f"live p99: {during_p99:.0f} µs during the purge ({during_n} calls), {quiet_p99:.0f} µs"
+            f" in the {QUIET_S:g} s before and after ({len(quiet)} calls):"
+            f" {during_p99 / quiet_p99:.2f}x"
+        )
+        started = time.perf_counter()
+        nothing = store.purge(before=None, limit=PURGE_LIMIT)
+        print(
+            f"a purge that finds nothing ({nothing} purged) over {records} live records:"
+            f" {(time.perf_counter() - started) * 1000:.1f} ms"
+        )
+    finally:
+        store.close()
+        print(f"cleanup: deleted {cleanup(url)} keys under {PREFIX}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--url", default=DEFAULT_URL, help="Redis URL (default: %(default)s)")
+    parser.add_argument("--records", type=int, default=1_000_000, help="default: %(default)s")
+    parser.add_argument(
+        "--purge-records", type=int, help="expired records to purge (default: --records)"
+    )
+    parser.add_argument(
+        "--response-bytes", type=int, default=100, help="each record's response (default: 100)"
+    )
+    args = parser.parse_args()
+    run(args.url, args.records, args.purge_records or args.records, args.response_bytes)
+
+
+if __name__ == "__main__":
+    main()
