@@ -10,8 +10,10 @@ it, bytes or a hash written by something else) go through the store's own client
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,7 +31,7 @@ from idempo import (
     Status,
 )
 from idempo._core.digest import key_digest
-from idempo._core.record import Acquired, InProgress, Replay
+from idempo._core.record import Acquired, InProgress, Mismatch, Replay
 from idempo.stores.redis import AsyncRedisStore, RedisStore, _ops
 from idempo.stores.redis._protocol import HEADER, reservation
 
@@ -386,6 +388,86 @@ async def test_a_record_of_the_previous_layout_is_converted_where_it_is_read(fac
     assert await face.evict(evicted) is True
     assert await face.get(evicted) is None
     assert await acquire(face, evicted) > 0
+
+
+# The released version's own scripts (tests/redis_previous_layout/README.md).
+PREVIOUS = Path(__file__).parent / "redis_previous_layout"
+
+
+async def previous_version(face: Face, script: str, s: Scope, *args: str | bytes) -> Any:
+    """Run the released version's ``script`` on ``s``'s record, on Redis's clock."""
+    text = (PREVIOUS / f"{script}.lua").read_text(encoding="utf-8")
+    return await face.raw("eval", text, 1, face.key(s), *args)
+
+
+async def previous_reserve(face: Face, s: Scope, fingerprint: str, lease: timedelta) -> int:
+    """A reservation as a process of the released version makes it; its token."""
+    us, grace_ms = timedelta(microseconds=1), 60_000
+    args = ["", str(lease // us), str((lease + TTL) // us),
+            str((lease + TTL) // timedelta(milliseconds=1) + grace_ms),
+            fingerprint, s.principal, s.operation, s.key, os.urandom(8).hex()]  # fmt: skip
+    token = await previous_version(face, "reserve", s, *args)
+    assert isinstance(token, int), token
+    return token
+
+
+async def previous_settle(face: Face, s: Scope, token: int, status: str, response: bytes) -> int:
+    """A completion or failure as a process of the released version writes it: 1, or 0 when
+    its token no longer holds the record."""
+    args = [str(token), status, response, "", str(TTL // timedelta(microseconds=1)), "3660000"]
+    return int(await previous_version(face, "settle", s, *args))
+
+
+async def test_records_the_released_version_wrote_are_served_across_the_upgrade(
+    face: Face,
+) -> None:
+    """Records the released version's own scripts wrote (hashes) are read by this one: a
+    completed one replays its response (and is converted to a string), a failed one reads
+    back, a reservation whose lease runs answers in progress and stays a hash, so its holder
+    (a process of the released version, mid rolling upgrade) can still complete it, which
+    this version then replays; one whose lease ended is taken over with a larger token and
+    its stalled holder is fenced."""
+    fp = "ab" * 32
+    done, failed, running, stalled = (scope(n) for n in ("done", "failed", "running", "stalled"))
+    token = await previous_reserve(face, done, fp, LEASE)
+    assert await previous_settle(face, done, token, "completed", b"old answer") == 1
+    verdict = await face.reserve(done, fp, now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(verdict, Replay)
+    assert (verdict.record.token, verdict.record.response) == (token, b"old answer")
+    assert await face.raw("type", face.key(done)) == b"string"
+    assert isinstance(await face.reserve(done, "cd" * 32, now=None, lease=LEASE, ttl=TTL), Mismatch)
+
+    token = await previous_reserve(face, failed, fp, LEASE)
+    assert await previous_settle(face, failed, token, "failed", b"") == 1
+    record = await face.get(failed)
+    assert record is not None
+    assert (record.status, record.token, record.response) == (Status.FAILED, token, b"")
+
+    token = await previous_reserve(face, running, fp, LEASE)
+    assert isinstance(await face.reserve(running, fp, now=None, lease=LEASE, ttl=TTL), InProgress)
+    record = await face.get(running)
+    assert record is not None
+    assert (record.status, record.token) == (Status.IN_PROGRESS, token)
+    assert await face.raw("type", face.key(running)) == b"hash"
+    assert await previous_settle(face, running, token, "completed", b"once") == 1
+    verdict = await face.reserve(running, fp, now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(verdict, Replay)
+    assert (verdict.record.token, verdict.record.response) == (token, b"once")
+
+    short = timedelta(milliseconds=50)
+    reserved = await face.server_now(stalled)
+    old = await previous_reserve(face, stalled, fp, short)
+    await anyio.sleep(3 * short.total_seconds())
+    assert await face.server_now(stalled) > reserved + short  # its lease ended on Redis's clock
+    taken = await face.reserve(stalled, fp, now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(taken, Acquired)
+    assert taken.taken_over
+    assert taken.token > old
+    assert await previous_settle(face, stalled, old, "completed", b"zombie") == 0
+    await face.complete(stalled, taken.token, b"winner", now=None, ttl=TTL)
+    verdict = await face.reserve(stalled, fp, now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(verdict, Replay)
+    assert verdict.record.response == b"winner"
 
 
 # -- takeovers on Redis's clock ------------------------------------------------------------

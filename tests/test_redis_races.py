@@ -41,6 +41,8 @@ LEASE = timedelta(minutes=5)  # no winner's lease ends during a race
 TTL = timedelta(hours=1)
 ENDED = timedelta(milliseconds=200)  # the seeded leases, over before the race starts
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(days=1)
+T1 = T0 + timedelta(minutes=1)  # the seeded records' retention is over
+PURGED_PER_KEY = 3  # the purging process deletes ahead of the reservations, not all at once
 
 
 def scope(key: str) -> Scope:
@@ -80,7 +82,7 @@ def seed(store: RedisStore, keys: list[str], clock: str) -> tuple[dict[str, int]
     if given is None:
         time.sleep(2 * ENDED.total_seconds())
         return tokens, None
-    return tokens, T0 + timedelta(minutes=1)
+    return tokens, T1
 
 
 def check_takeovers(store: RedisStore, seeded: dict[str, int], winners: list[Outcome]) -> None:
@@ -132,7 +134,9 @@ def _process_main(
     barrier: Any,
     results: Any,
 ) -> None:
-    """A spawned process: its own RedisStore, one reservation per key at the barrier."""
+    """A spawned process: its own RedisStore, one reservation per key at the barrier; in the
+    purge race the first process purges a few expired records first, while the others
+    reserve."""
     outcomes: list[Outcome] = []
     problem = None
     try:
@@ -141,6 +145,8 @@ def _process_main(
             effects = Effects(url, prefix)
             for key in keys:
                 barrier.wait(timeout=BARRIER_TIMEOUT)
+                if race == "purge" and index == 0:
+                    store.purge(before=now, limit=PURGED_PER_KEY)
                 outcomes.append(attempt(store, effects, key, now, race == "takeover"))
         finally:
             store.close()
@@ -150,20 +156,47 @@ def _process_main(
     results.put((index, outcomes, problem))
 
 
-@pytest.mark.parametrize("race", ["fresh", "takeover"])
+def seed_expired(store: RedisStore, keys: list[str]) -> dict[str, int]:
+    """A record per key completed at T0 on a given clock, its retention over by T1: what
+    the purge race deletes or reserves again. Their tokens."""
+    tokens = {}
+    for key in keys:
+        reservation = store.reserve(scope(key), "fp", now=T0, lease=ENDED, ttl=ENDED)
+        assert isinstance(reservation, Acquired), reservation
+        store.complete(scope(key), reservation.token, b"old", now=T0, ttl=ENDED)
+        tokens[key] = reservation.token
+    return tokens
+
+
+@pytest.mark.parametrize("race", ["fresh", "takeover", "purge"])
 def test_processes_race_reservations(redis_at: tuple[str, str], race: str) -> None:
     """4 spawned processes, each with its own store (and its own estimate of Redis's clock
-    for its tokens), released together at each of 200 keys: one winner per key."""
+    for its tokens), released together at each of 200 keys: one winner per key. In the purge
+    race the keys hold records whose retention ended, which one process purges (from the
+    ``expiring`` set, a few per key) while the others reserve them: a reservation then is a
+    plain SET NX on a key purge just deleted, or the reserve script on a record purge has not
+    reached yet, and purge never deletes a winner's record, whose token is past the expired
+    one's."""
     url, prefix = redis_at
     keys = make_keys(f"proc-{race}")
     seeded: dict[str, int] = {}
+    now = T1 if race == "purge" else None
     store = RedisStore(url, prefix=prefix)
     try:
         if race == "takeover":
             seeded, _ = seed(store, keys, "redis")
-        outcomes = run_processes(_process_main, (url, prefix, race, None), keys)
+        elif race == "purge":
+            seeded = seed_expired(store, keys)
+        outcomes = run_processes(_process_main, (url, prefix, race, now), keys)
         check_exactly_once(outcomes, keys, PROCESSES, Effects(url, prefix).collect(keys))
-        if race == "takeover":
+        if seeded:
             check_takeovers(store, seeded, outcomes)
+        if race == "purge":
+            assert store.purge(before=T1) == 0  # every record left is a winner's, live
+            for outcome in outcomes:
+                if outcome.kind == "executed":
+                    record = store.get(scope(outcome.key))
+                    assert record is not None
+                    assert record.response == outcome.result["nonce"].encode()
     finally:
         store.close()

@@ -36,7 +36,11 @@ local function tombstone(v)
 end
 
 -- Converts in place a record of the previous layout (a hash) and returns its new value: a
--- tombstone if its retention ended; nil and why for a key that holds no such record.
+-- tombstone if its retention ended; nil and why for a key that holds no such record. A
+-- reservation whose lease is still running (on Redis's clock, as that layout's were) is
+-- answered as the string but left a hash: its holder, a process of the previous version
+-- during a rolling upgrade, can then still renew and settle it, where a converted record
+-- would fence it out and let its work run again once the lease ended.
 local function upgrade(key, now)
   if redis.call('TYPE', key).ok ~= 'hash' then return nil, 'a key of another type' end
   local f = redis.call('HMGET', key, 'p', 'o', 'k', 'fp', 'st', 'tok', 'le', 'ca', 'ua', 'ea',
@@ -57,6 +61,7 @@ local function upgrade(key, now)
   local v = struct.pack(HEADER, st, 'r', tok, ca, ua, st == 'i' and le or 0, ea, NO_NONCE, fpn,
     rp and #rp + 1 or 0, #f[1], #f[2], #f[3]) .. fp .. (rp or '') .. f[1] .. f[2] .. f[3]
     .. (st == 'i' and '' or f[12])
+  if st == 'i' and le > now and ea > now then return v end
   if ea <= now then
     v = tombstone(v)
     redis.call('SET', key, v, 'KEEPTTL')
