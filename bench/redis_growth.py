@@ -40,6 +40,7 @@ import redis
 from idempo import Scope, Status
 from idempo._core.record import Acquired, Replay
 from idempo.stores.redis import RedisStore, _ops
+from redis_store import cleanup
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RUN_ID = secrets.token_hex(4)
@@ -230,15 +231,6 @@ def p99_between(samples: list[tuple[float, float]], start: float, stop: float) -
 # --------------------------------------------------------------------------- main
 
 
-def cleanup(url: str) -> int:
-    deleted = 0
-    with redis.Redis.from_url(url) as client:
-        keys = list(client.scan_iter(match=f"{PREFIX}*", count=1000))
-        for start in range(0, len(keys), 1000):
-            deleted += int(client.delete(*keys[start : start + 1000]))
-    return deleted
-
-
 def run(url: str, records: int, expired: int, response_bytes: int) -> None:
     body = (b'{"id":"' + b"x" * response_bytes)[: max(response_bytes - 2, 0)] + b'"}'
     body = body[:response_bytes]
@@ -300,7 +292,7 @@ def run(url: str, records: int, expired: int, response_bytes: int) -> None:
         )
     finally:
         store.close()
-        print(f"cleanup: deleted {cleanup(url)} keys under {PREFIX}")
+        print(f"cleanup: deleted {cleanup(url, PREFIX)} keys under {PREFIX}")
 
 
 def main() -> None:

@@ -344,11 +344,11 @@ def client_cpu_us(scenario: Scenario, calls: int) -> float:
     return (time.process_time() - start) / calls * 1e6
 
 
-def cleanup(url: str) -> int:
-    """Delete every key this run made."""
+def cleanup(url: str, prefix: str = PREFIX) -> int:
+    """Delete every key this run made (bench/redis_growth.py's too, under its prefix)."""
     deleted = 0
     with redis.Redis.from_url(url) as client:
-        keys = list(client.scan_iter(match=f"{PREFIX}*", count=1000))
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
         for start in range(0, len(keys), 500):
             deleted += int(client.delete(*keys[start : start + 500]))
     return deleted

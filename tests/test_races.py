@@ -298,6 +298,21 @@ def _process_main(
     results.put((index, outcomes, problem))
 
 
+def report_outcomes(
+    index: int, barrier: Any, results: Any, run: Callable[[list[Outcome]], None]
+) -> None:
+    """The end of a spawned process of `run_processes`: ``run`` appends its outcomes; what
+    it raised aborts the barrier (so the other processes stop waiting) and is reported."""
+    outcomes: list[Outcome] = []
+    problem = None
+    try:
+        run(outcomes)
+    except BaseException as exc:
+        barrier.abort()
+        problem = repr(exc)
+    results.put((index, outcomes, problem))
+
+
 def run_processes(
     main: Callable[..., None], args: tuple[Any, ...], keys: list[str]
 ) -> list[Outcome]:

@@ -400,15 +400,14 @@ async def previous_version(face: Face, script: str, s: Scope, *args: str | bytes
     return await face.raw("eval", text, 1, face.key(s), *args)
 
 
-async def previous_reserve(face: Face, s: Scope, fingerprint: str, lease: timedelta) -> int:
-    """A reservation as a process of the released version makes it; its token."""
+async def previous_reserve(face: Face, s: Scope, fingerprint: str, lease: timedelta) -> Any:
+    """A reservation as a process of the released version makes it: its reply (a token when
+    it acquired the key)."""
     us, grace_ms = timedelta(microseconds=1), 60_000
     args = ["", str(lease // us), str((lease + TTL) // us),
             str((lease + TTL) // timedelta(milliseconds=1) + grace_ms),
             fingerprint, s.principal, s.operation, s.key, os.urandom(8).hex()]  # fmt: skip
-    token = await previous_version(face, "reserve", s, *args)
-    assert isinstance(token, int), token
-    return token
+    return await previous_version(face, "reserve", s, *args)
 
 
 async def previous_settle(face: Face, s: Scope, token: int, status: str, response: bytes) -> int:
@@ -436,6 +435,9 @@ async def test_records_the_released_version_wrote_are_served_across_the_upgrade(
     assert (verdict.record.token, verdict.record.response) == (token, b"old answer")
     assert await face.raw("type", face.key(done)) == b"string"
     assert isinstance(await face.reserve(done, "cd" * 32, now=None, lease=LEASE, ttl=TTL), Mismatch)
+    # A process of the released version that meets the converted record fails closed (its
+    # store raises CorruptRecordError on this reply): it neither runs nor replays.
+    assert (await previous_reserve(face, done, fp, LEASE))[0] == 2
 
     token = await previous_reserve(face, failed, fp, LEASE)
     assert await previous_settle(face, failed, token, "failed", b"") == 1

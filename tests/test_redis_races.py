@@ -31,6 +31,7 @@ from test_races import (
     check_exactly_once,
     make_keys,
     race_threads,
+    report_outcomes,
     run_processes,
 )
 from test_redis import Effects
@@ -137,9 +138,8 @@ def _process_main(
     """A spawned process: its own RedisStore, one reservation per key at the barrier; in the
     purge race the first process purges a few expired records first, while the others
     reserve."""
-    outcomes: list[Outcome] = []
-    problem = None
-    try:
+
+    def run(outcomes: list[Outcome]) -> None:
         store = RedisStore(url, prefix=prefix)
         try:
             effects = Effects(url, prefix)
@@ -150,10 +150,8 @@ def _process_main(
                 outcomes.append(attempt(store, effects, key, now, race == "takeover"))
         finally:
             store.close()
-    except BaseException as exc:
-        barrier.abort()
-        problem = repr(exc)
-    results.put((index, outcomes, problem))
+
+    report_outcomes(index, barrier, results, run)
 
 
 def seed_expired(store: RedisStore, keys: list[str]) -> dict[str, int]:
