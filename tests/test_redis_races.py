@@ -71,15 +71,23 @@ def attempt(
         return Outcome("error", key, repr(exc))
 
 
+def reserve_each(
+    store: RedisStore, keys: list[str], now: datetime | None, lease: timedelta, ttl: timedelta
+) -> dict[str, int]:
+    """A reservation per key, held; their tokens."""
+    tokens = {}
+    for key in keys:
+        reservation = store.reserve(scope(key), "fp", now=now, lease=lease, ttl=ttl)
+        assert isinstance(reservation, Acquired), reservation
+        tokens[key] = reservation.token
+    return tokens
+
+
 def seed(store: RedisStore, keys: list[str], clock: str) -> tuple[dict[str, int], datetime | None]:
     """An abandoned reservation per key whose lease has ended; their tokens, and the ``now``
     the race runs at (Redis's clock, or a given one past the seeded leases)."""
     given = T0 if clock == "given" else None
-    tokens = {}
-    for key in keys:
-        reservation = store.reserve(scope(key), "fp", now=given, lease=ENDED, ttl=TTL)
-        assert isinstance(reservation, Acquired), reservation
-        tokens[key] = reservation.token
+    tokens = reserve_each(store, keys, given, ENDED, TTL)
     if given is None:
         time.sleep(2 * ENDED.total_seconds())
         return tokens, None
@@ -130,14 +138,15 @@ def _process_main(
     prefix: str,
     race: str,
     now: datetime | None,
+    seeded: dict[str, int],
     index: int,
     keys: list[str],
     barrier: Any,
     results: Any,
 ) -> None:
     """A spawned process: its own RedisStore, one reservation per key at the barrier; in the
-    purge race the first process purges a few expired records first, while the others
-    reserve."""
+    purge race the first process purges a few expired records first, in the release race it
+    releases the key's seeded reservation first, while the others reserve."""
 
     def run(outcomes: list[Outcome]) -> None:
         store = RedisStore(url, prefix=prefix)
@@ -147,6 +156,8 @@ def _process_main(
                 barrier.wait(timeout=BARRIER_TIMEOUT)
                 if race == "purge" and index == 0:
                     store.purge(before=now, limit=PURGED_PER_KEY)
+                if race == "release" and index == 0:
+                    store.release(scope(key), seeded[key])
                 outcomes.append(attempt(store, effects, key, now, race == "takeover"))
         finally:
             store.close()
@@ -157,16 +168,13 @@ def _process_main(
 def seed_expired(store: RedisStore, keys: list[str]) -> dict[str, int]:
     """A record per key completed at T0 on a given clock, its retention over by T1: what
     the purge race deletes or reserves again. Their tokens."""
-    tokens = {}
-    for key in keys:
-        reservation = store.reserve(scope(key), "fp", now=T0, lease=ENDED, ttl=ENDED)
-        assert isinstance(reservation, Acquired), reservation
-        store.complete(scope(key), reservation.token, b"old", now=T0, ttl=ENDED)
-        tokens[key] = reservation.token
+    tokens = reserve_each(store, keys, T0, ENDED, ENDED)
+    for key, token in tokens.items():
+        store.complete(scope(key), token, b"old", now=T0, ttl=ENDED)
     return tokens
 
 
-@pytest.mark.parametrize("race", ["fresh", "takeover", "purge"])
+@pytest.mark.parametrize("race", ["fresh", "takeover", "purge", "release"])
 def test_processes_race_reservations(redis_at: tuple[str, str], race: str) -> None:
     """4 spawned processes, each with its own store (and its own estimate of Redis's clock
     for its tokens), released together at each of 200 keys: one winner per key. In the purge
@@ -174,7 +182,10 @@ def test_processes_race_reservations(redis_at: tuple[str, str], race: str) -> No
     ``expiring`` set, a few per key) while the others reserve them: a reservation then is a
     plain SET NX on a key purge just deleted, or the reserve script on a record purge has not
     reached yet, and purge never deletes a winner's record, whose token is past the expired
-    one's."""
+    one's. In the release race each key holds a live reservation, which one process releases
+    (leaving a tombstone with its token) while the others reserve: a reservation before the
+    release is told the key is in progress, the first after it takes the tombstone over with
+    a larger token."""
     url, prefix = redis_at
     keys = make_keys(f"proc-{race}")
     seeded: dict[str, int] = {}
@@ -185,7 +196,9 @@ def test_processes_race_reservations(redis_at: tuple[str, str], race: str) -> No
             seeded, _ = seed(store, keys, "redis")
         elif race == "purge":
             seeded = seed_expired(store, keys)
-        outcomes = run_processes(_process_main, (url, prefix, race, now), keys)
+        elif race == "release":
+            seeded = reserve_each(store, keys, None, LEASE, TTL)  # live, on Redis's clock
+        outcomes = run_processes(_process_main, (url, prefix, race, now, seeded), keys)
         check_exactly_once(outcomes, keys, PROCESSES, Effects(url, prefix).collect(keys))
         if seeded:
             check_takeovers(store, seeded, outcomes)
