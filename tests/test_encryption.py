@@ -107,6 +107,19 @@ KINDS = [
 ]
 
 
+def _redis_values(client: redis.Redis, key: bytes) -> list[bytes]:
+    """Everything Redis holds under ``key``, whatever its type (a record is one string; the
+    store's own index of records on a given clock is a sorted set)."""
+    kind = client.type(key)
+    if kind == b"string":
+        return [client.get(key) or b""]
+    if kind == b"hash":
+        return [item for pair in client.hgetall(key).items() for item in pair]
+    if kind == b"zset":
+        return [member for member, _ in client.zrange(key, 0, -1, withscores=True)]
+    raise AssertionError(f"{key!r} holds a {kind!r}, which this test cannot read")
+
+
 def _flat(values: Any) -> bytes:
     """Every stored value as bytes, side by side."""
     out = []
@@ -148,9 +161,7 @@ def at_rest(request: pytest.FixtureRequest) -> AtRest:
             try:
                 keys = sorted(client.scan_iter(match=f"{prefix}:*"))
                 assert keys, "the store holds nothing"
-                return _flat(
-                    item for key in keys for pair in client.hgetall(key).items() for item in pair
-                )
+                return _flat(item for key in keys for item in _redis_values(client, key))
             finally:
                 client.close()
 
