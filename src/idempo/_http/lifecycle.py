@@ -42,7 +42,7 @@ from ..errors import (
 )
 from ..events import Kind, key_digest, scrub
 from ..guard import AsyncHandle, Handle
-from .fingerprint import canonical_parts
+from .fingerprint import CanonicalParts
 from .keys import KEY_HEADER, Header, parse_key
 from .options import HttpSettings
 from .per_route import KeyHook, Routed, RouteRule
@@ -68,7 +68,9 @@ __all__ = [
 
 logger = logging.getLogger("idempo.http")
 
-READ_HEADERS = frozenset({KEY_HEADER, b"content-length", b"authorization", b"cookie"})
+READ_HEADERS = frozenset(
+    {KEY_HEADER, b"content-length", b"content-type", b"authorization", b"cookie"}
+)
 """The request headers the lifecycle reads: an adapter finds them in one pass
 (`idempo._http.keys.headers_named`) and hands them on as ``named``."""
 
@@ -148,9 +150,12 @@ class Lifecycle:
         # The route-template hook (`idempo._http.routes`): the app's ``routes=`` or the
         # adapter's default for its framework, called with the framework's request.
         self.routes = routes
-        # The headers a request is read for: the key's (``key_header=``) and the size,
+        # The headers a request is read for: the key's (``key_header=``) and the size, type,
         # authorization and cookie ones.
         self.read_headers = (READ_HEADERS - {KEY_HEADER}) | {settings.key_header}
+        # The fingerprint's canonical bytes, remembered for recent requests: a retry's body
+        # is not parsed again (`CanonicalParts` says why that is exact).
+        self.canonical = CanonicalParts(settings.fingerprint_fields, settings.fingerprint_headers)
 
     def problem(self, exc: IdempotencyError) -> HttpResponse:
         """The problem response for a refusal, with this middleware's Retry-After settings."""
@@ -398,14 +403,13 @@ class Lifecycle:
         return self.idempotency.begin(
             key,
             operation=operation,
-            payload=canonical_parts(
+            payload=self.canonical(
                 method,
                 path,
                 request.query,
                 request.headers,
                 request.body,
-                settings.fingerprint_fields,
-                settings.fingerprint_headers,
+                request.named.get(b"content-type"),
             ),
             principal=principal,
             conn=conn,

@@ -105,12 +105,32 @@ def encode_response(response: HttpResponse) -> bytes:
     return head.encode() + b"\n" + response.body
 
 
+# Recently decoded stored responses, by their stored bytes: a key replayed again and again
+# is not parsed each time. Bounded in count and size (at most 256 x 4 KiB); when full it
+# starts over, one atomic step, so threads may share it. A decoded response is immutable.
+_DECODED: dict[bytes, HttpResponse] = {}
+_DECODED_COUNT = 256
+_DECODED_SIZE = 4096
+
+
 def decode_response(data: bytes) -> HttpResponse:
     """The response `encode_response` stored.
 
     Raises:
         CorruptRecordError: ``data`` is not a stored response of this format.
     """
+    known = _DECODED.get(data) if len(data) <= _DECODED_SIZE else None
+    if known is not None:
+        return known
+    response = _decoded(data)
+    if len(data) <= _DECODED_SIZE:
+        if len(_DECODED) >= _DECODED_COUNT:
+            _DECODED.clear()
+        _DECODED[bytes(data)] = response
+    return response
+
+
+def _decoded(data: bytes) -> HttpResponse:
     head_line, newline, body = data.partition(b"\n")
     try:
         head = json_loads(head_line)
