@@ -103,6 +103,9 @@ class Codec(Protocol):
     # (a codec that seals has one); without it, the point is read as stored (`_opened`).
 
 
+# Discard has no fields: one value serves every call.
+_DISCARD = Discard()
+
 NOT_KEPT: Any = type("NotKept", (), {"__repr__": lambda self: "NOT_KEPT"})()
 """What the work's result is sent as when the attempt said `do_not_store`: its answer went
 to the caller, and the key is released as for a transient failure."""
@@ -194,7 +197,7 @@ def _abandon(
     """
     token = run.token
     try:
-        undone = yield Discard()
+        undone = yield _DISCARD
     except TransactionOwnershipError as ended:
         yield from _settle_owned(scope, token, codec, policy, ended)
         raise ended from exc
@@ -259,7 +262,7 @@ def _reserve(
             scope, fingerprint, policy.now(), policy.lease, policy.ttl, lock_timeout
         )
         if not isinstance(reservation, Acquired):
-            yield Discard()  # nothing will be written: end the transaction, if there is one
+            yield _DISCARD  # nothing will be written: end the transaction, if there is one
         match reservation:
             case Acquired() | Replay():
                 return reservation
@@ -314,6 +317,9 @@ class Verbs:
     """
 
     __slots__ = ("target",)
+    # Whether `Discard` may do anything: a store used directly (no work runs on it) has
+    # nothing to discard, and the drivers answer for it without a call.
+    discards = True
 
     def __init__(self, target: Any) -> None:
         self.target = target
@@ -364,6 +370,7 @@ class StoreVerbs(Verbs):
     """A store used directly: none of the work runs on it, so there is nothing to discard."""
 
     __slots__ = ()
+    discards = False
 
     def discard(self) -> bool:
         return False
@@ -373,6 +380,7 @@ class AsyncStoreVerbs(Verbs):
     """An async store used directly."""
 
     __slots__ = ()
+    discards = False
 
     async def discard(self) -> bool:
         return False
@@ -429,8 +437,12 @@ Flow = Generator[Op, Any, Record | None]
 def pump(flow: Flow, unit: Performer, policy: Policy, op: Op) -> Execute | Done:
     """Perform operations until the flow asks for the work to run, or ends."""
     perform = unit.perform
+    discards = getattr(unit, "discards", True)
     try:
         while not isinstance(op, Execute):
+            if op is _DISCARD and not discards:
+                op = flow.send(False)
+                continue
             try:
                 result = _sleep(op, policy, unit) if isinstance(op, Sleep) else perform(op)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
@@ -458,7 +470,7 @@ class _GaveUp(Exception):
 
 
 # Whether a coroutine's code can suspend at all, per code object.
-_SUSPENDS: dict[CodeType, bool] = {}
+_SUSPENDS: dict[CodeType | None, bool] = {}
 
 
 def _suspends(awaitable: Awaitable[Any]) -> bool:
@@ -514,13 +526,6 @@ class _Cancellation:
         if self.error is None:
             self.error = error
             self.deadline = asyncio.get_running_loop().time() + CLEANUP_TIMEOUT
-
-    async def perform(self, unit: Performer, policy: Policy, op: Op) -> Any:
-        """Carry out one operation; a wait is never shielded (nothing is held meanwhile)."""
-        if isinstance(op, Sleep):
-            await _asleep(op, policy, unit)
-            return None
-        return await self.complete(unit.perform(op))  # type: ignore[arg-type] # never Execute
 
     async def complete(self, awaitable: Awaitable[Any]) -> Any:
         """The operation's result, however often the caller is cancelled meanwhile."""
@@ -593,7 +598,7 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def apump(
+async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded call
     flow: Flow,
     unit: Performer,
     policy: Policy,
@@ -610,13 +615,28 @@ async def apump(
     caught here: one that escaped a coroutine would turn into a RuntimeError (PEP 479).
     """
     held = _Cancellation(cancelled)
+    perform = unit.perform
+    discards = getattr(unit, "discards", True)
     try:
         while held.error is not None or not isinstance(op, Execute):
             if held.error is not None and isinstance(op, Execute | Sleep):
                 op = flow.throw(held.error)
                 continue
+            if op is _DISCARD and not discards:
+                op = flow.send(False)
+                continue
             try:
-                result = await held.perform(unit, policy, op)
+                if isinstance(op, Sleep):
+                    await _asleep(op, policy, unit)  # a wait is never shielded
+                    result = None
+                else:
+                    done = perform(op)  # type: ignore[arg-type] # never Execute
+                    # `_Cancellation.complete`'s first test, inlined: most verbs (the memory
+                    # store's) cannot suspend, and run here in one step.
+                    if _SUSPENDS.get(getattr(done, "cr_code", None)) is False:
+                        result = await done
+                    else:
+                        result = await held.complete(done)
             except _GaveUp:
                 flow.close()
                 break

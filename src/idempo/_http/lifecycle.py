@@ -48,7 +48,7 @@ from .options import HttpSettings
 from .per_route import KeyHook, Routed, RouteRule
 from .principals import NO_RESOLVER
 from .problems import problem, problem_for
-from .response import HttpResponse, UnkeptResponse
+from .response import HttpResponse, UnkeptResponse, replayed
 from .routes import NO_ROUTE, RouteTemplate
 from .stored_text import MAX_STORED_TEXT, stored_text
 
@@ -450,7 +450,7 @@ def reserve(
     if attempt.replayed:  # a replay holds nothing
         stack.close()
         stored: HttpResponse = attempt.result
-        return stored.replay(status_200=lifecycle.settings.replay_status_200)
+        return replayed(stored, status_200=lifecycle.settings.replay_status_200)
     return Run(lifecycle, handle, conn, stack)
 
 
@@ -554,7 +554,7 @@ async def areserve(
     attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
         stored: HttpResponse = attempt.result
-        return stored.replay(status_200=lifecycle.settings.replay_status_200)
+        return replayed(stored, status_200=lifecycle.settings.replay_status_200)
     return AsyncRun(lifecycle, handle, conn)
 
 

@@ -62,6 +62,29 @@ class HttpResponse:
         return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), self.body)
 
 
+# The replay forms of recently replayed responses (the decoded ones `decode_response`
+# keeps, replayed again and again), by the response's identity: each entry holds its
+# response, so no other object can take that id while the entry lasts.
+_REPLAYS: dict[int, tuple[HttpResponse, bool, HttpResponse]] = {}
+
+
+def replayed(response: HttpResponse, *, status_200: bool = False) -> HttpResponse:
+    """``response.replay(status_200=status_200)``, remembered (see `HttpResponse.replay`).
+
+    >>> stored = HttpResponse(201, ((b"set-cookie", b"s=1"),), b"{}")
+    >>> replayed(stored) == stored.replay() and replayed(stored) is replayed(stored)
+    True
+    """
+    known = _REPLAYS.get(id(response))
+    if known is not None and known[0] is response and known[1] is status_200:
+        return known[2]
+    answer = response.replay(status_200=status_200)
+    if len(_REPLAYS) >= _DECODED_COUNT:
+        _REPLAYS.clear()
+    _REPLAYS[id(response)] = (response, status_200, answer)
+    return answer
+
+
 def _kept(headers: tuple[Header, ...], dropped: frozenset[bytes]) -> tuple[Header, ...]:
     """``headers`` without the fields named in ``dropped`` or in a ``Connection`` field."""
     names = [name.lower() for name, _ in headers]
