@@ -92,14 +92,10 @@ def test_a_replay_with_another_payload_is_still_refused() -> None:
 
     async def post(body: bytes) -> tuple[int, bytes]:
         sent: list[Any] = []
-        delivered = False
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
 
         async def receive() -> Any:
-            nonlocal delivered
-            if delivered:
-                return {"type": "http.disconnect"}
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return next(messages, {"type": "http.disconnect"})
 
         async def send(message: Any) -> None:
             sent.append(message)

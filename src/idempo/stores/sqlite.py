@@ -26,6 +26,7 @@ from ._sql.binding import sqlalchemy_connection
 from ._sql.dialect import Statement
 from ._sql.sqlite import SQLiteDialect
 from ._sql.transaction import (
+    NOT_NOW,
     SAVEPOINT,
     AsyncSqlStore,
     AsyncUnit,
@@ -55,6 +56,13 @@ T = TypeVar("T")
 
 DEFAULT_TABLE = "idempo_records"
 DEFAULT_BUSY_TIMEOUT = timedelta(seconds=10)
+# What BEGIN IMMEDIATE answers at once, on a connection that does not wait, when another
+# connection holds the write lock.
+_BUSY = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
+# One write in this many that could run at once goes to a worker thread all the same: the
+# connections that run at once never checkpoint the write-ahead log (a checkpoint syncs the
+# file, milliseconds), so the threads' connections, which do, keep it short.
+_CHECKPOINT_EVERY = 64
 
 
 def map_error(exc: BaseException) -> BaseException:
@@ -243,6 +251,8 @@ class SQLiteStore(SqlStore):
         self.read_only = read_only
         self._create = create and not read_only
         self._local = threading.local()
+        self._at_once = threading.local()  # `run_now`'s connections, which never wait
+        self._writes_at_once = 0
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         # This process's writers queue here, not in SQLite's busy handler: that one sleeps
@@ -268,7 +278,7 @@ class SQLiteStore(SqlStore):
             except sqlite3.Error as again:
                 raise _open_failure(self.path, again, must_exist=True) from again
 
-    def _open(self, *, immutable: bool) -> sqlite3.Connection:
+    def _open(self, *, immutable: bool, waits: bool = True) -> sqlite3.Connection:
         target, uri = self.path, False
         if not self._create and self.path != ":memory:":
             mode = "ro" if self.read_only else "rw"
@@ -277,7 +287,7 @@ class SQLiteStore(SqlStore):
             uri = True
         conn = sqlite3.connect(
             target,
-            timeout=self._busy_timeout.total_seconds(),
+            timeout=self._busy_timeout.total_seconds() if waits else 0,
             isolation_level=None,
             check_same_thread=False,
             uri=uri,
@@ -288,15 +298,22 @@ class SQLiteStore(SqlStore):
             else:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
+                if not waits:
+                    conn.execute("PRAGMA wal_autocheckpoint=0")
         except BaseException:
             conn.close()
             raise
         return conn
 
-    def _connection(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+    def _connection(self, local: threading.local | None = None) -> sqlite3.Connection:
+        local = local or self._local
+        conn: sqlite3.Connection | None = getattr(local, "conn", None)
         if conn is None:
-            conn = self._local.conn = self.connect()
+            if local is self._local:
+                conn = self.connect()
+            else:
+                conn = self._open(immutable=False, waits=False)
+            local.conn = conn
             with self._lock:
                 self._connections.append(conn)
         return conn
@@ -305,18 +322,54 @@ class SQLiteStore(SqlStore):
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
             raise StoreUnavailableError("SQLite stayed locked by this process's other writers")
         try:
-            return self._transaction(gen, "BEGIN IMMEDIATE")
+            done: T = self._transaction(gen, "BEGIN IMMEDIATE")
+            return done
+        finally:
+            self._writer.release()
+
+    def run_now(self, gen: TxGen[T]) -> Any:
+        """`run`, if it need not wait: when this process's other writers and other
+        processes leave the file free at this moment; else `NOT_NOW`, with ``gen``
+        untouched. `AsyncSQLiteStore` runs its writes so on the event loop's thread: a
+        small local transaction costs less than handing it to a worker thread. It never
+        waits for a lock (its connection's busy timeout is zero) and never checkpoints the
+        write-ahead log; one write in `_CHECKPOINT_EVERY` goes to `run` instead, whose
+        connections do (docs/decisions.md)."""
+        self._writes_at_once += 1  # not exact under threads: it only spreads checkpoints
+        if (
+            self._writes_at_once % _CHECKPOINT_EVERY == 0
+            or self.read_only
+            or self.path == ":memory:"
+            or not self._writer.acquire(blocking=False)
+        ):
+            return NOT_NOW
+        try:
+            try:
+                conn = self._connection(self._at_once)
+            except sqlite3.Error:
+                return NOT_NOW  # `run` says why the file cannot be opened
+            return self._transaction(gen, "BEGIN IMMEDIATE", conn)
         finally:
             self._writer.release()
 
     def read(self, gen: TxGen[T]) -> T:
         # A deferred transaction only reads a snapshot: it never waits behind a writer.
-        return self._transaction(gen, "BEGIN")
+        done: T = self._transaction(gen, "BEGIN")
+        return done
 
-    def _transaction(self, gen: TxGen[T], begin: str) -> T:
-        conn = self._connection()
+    def _transaction(
+        self, gen: TxGen[T], begin: str, at_once: sqlite3.Connection | None = None
+    ) -> Any:
+        """``gen`` in one transaction; with ``at_once`` (a connection that never waits),
+        `NOT_NOW` if another process holds the write lock."""
+        conn = at_once or self._connection()
         try:
-            conn.execute(begin)
+            try:
+                conn.execute(begin)
+            except sqlite3.OperationalError as exc:
+                if at_once is not None and exc.sqlite_errorcode & 0xFF in _BUSY:
+                    return NOT_NOW
+                raise
             result = _Sqlite3Tx(conn, self.run).run(gen)
             conn.execute("COMMIT")
         except BaseException as exc:
@@ -358,6 +411,7 @@ class SQLiteStore(SqlStore):
             for conn in connections:
                 conn.close()
             self._local = threading.local()
+            self._at_once = threading.local()
         finally:
             if waited:
                 self._writer.release()
@@ -392,7 +446,9 @@ class AsyncSQLiteStore(AsyncSqlStore):
         self._sync = SQLiteStore(
             path, table=table, busy_timeout=busy_timeout, read_only=read_only, create=create
         )
-        super().__init__(self._sync.dialect)
+        # Each operation of the guard's runs at once when the file is free (`run_now`),
+        # else in a worker thread that waits for it.
+        super().__init__(self._sync.dialect, now=self._sync.run_now)
 
     async def run(self, gen: TxGen[T]) -> T:
         # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn

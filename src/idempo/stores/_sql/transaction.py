@@ -750,8 +750,19 @@ def _awaited(verb: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]
     return call
 
 
+NOT_NOW: Any = type("NotNow", (), {"__repr__": lambda self: "NOT_NOW"})()
+"""What an `AsyncUnit`'s ``now`` answers when it cannot run a transaction at once without
+waiting (the generator is then untouched, for ``run`` to take)."""
+
+
 class AsyncUnit(_Verbs):
-    """The asynchronous face of `SyncUnit`: ``perform`` returns an awaitable."""
+    """The asynchronous face of `SyncUnit`: ``perform`` returns an awaitable.
+
+    ``now``: runs a transaction at once, on the caller's thread, when it can do so without
+    waiting (a local database whose lock is free), else answers `NOT_NOW`; the operation is
+    then done when ``perform`` returns, and its awaitable never suspends (the async driver
+    spends no task on it).
+    """
 
     discards = True
     reserve = _awaited(_Verbs.reserve)
@@ -762,14 +773,28 @@ class AsyncUnit(_Verbs):
     checkpoint = _awaited(_Verbs.checkpoint)
     discard = _awaited(_Verbs.discard)
 
-    def __init__(self, logic: UnitLogic, run: Callable[[TxGen[Any]], Awaitable[Any]]) -> None:
+    def __init__(
+        self,
+        logic: UnitLogic,
+        run: Callable[[TxGen[Any]], Awaitable[Any]],
+        now: Callable[[TxGen[Any]], Any] | None = None,
+    ) -> None:
         self._logic = logic
         self._run = run
+        self._now = now
 
     def perform(self, op: StoreOp) -> Awaitable[Any]:
         if not self.discards and isinstance(op, Discard):
             return _nothing()  # never suspends: the async driver spends no task on it
-        return self._perform(getattr(self._logic, _STEPS[type(op)])(op))
+        gen = getattr(self._logic, _STEPS[type(op)])(op)
+        if self._now is not None:
+            try:
+                done = self._now(gen)
+            except TransactionConflict as conflict:
+                raise conflict.error from None
+            if done is not NOT_NOW:
+                return _returning(done)
+        return self._perform(gen)
 
     async def _perform(self, gen: TxGen[Any]) -> Any:
         try:
@@ -780,6 +805,10 @@ class AsyncUnit(_Verbs):
 
 async def _nothing() -> bool:
     return False
+
+
+async def _returning(value: Any) -> Any:
+    return value
 
 
 def _ddl(sql: str) -> SqlGen[None]:
@@ -846,9 +875,9 @@ class AsyncSqlStore(AsyncUnit):
     discards = False
     bounds_lock_waits = True  # see StoreLogic
 
-    def __init__(self, dialect: SqlDialect) -> None:
+    def __init__(self, dialect: SqlDialect, now: Callable[[TxGen[Any]], Any] | None = None) -> None:
         self.dialect = dialect
-        super().__init__(StoreLogic(dialect, bounds=self.bounds_lock_waits), self.run)
+        super().__init__(StoreLogic(dialect, bounds=self.bounds_lock_waits), self.run, now)
 
     async def run(self, gen: TxGen[T]) -> T:
         """Run statements on the store's own connection, committed at once."""
