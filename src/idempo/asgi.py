@@ -151,7 +151,6 @@ class _Exchange:
         self.query = bytes(scope.get("query_string", b""))
         self.headers: list[Any] = list(scope.get("headers") or [])
         self.named = headers_named(self.headers, self.lifecycle.read_headers)
-        self.chunks: list[bytes] = []
 
     async def run(self) -> None:
         lifecycle = self.lifecycle
@@ -203,6 +202,7 @@ class _Exchange:
 
     async def _execute(self, run: AsyncRun, body: bytes) -> None:
         self.run_ = run
+        self.chunks: list[bytes] = []  # the response held until it is stored
         try:
             await self.mw.app(self._app_scope(run), self._receive_body(body), self._capture)
         except BaseException as exc:
@@ -294,8 +294,12 @@ class _Exchange:
             size += len(chunk)
             if size > limit:
                 raise RequestTooLargeError(limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
+            if message.get("more_body", False):
+                chunks.append(chunk)
+            elif not chunks:
+                return chunk  # the usual request: its whole body in one message
+            else:
+                chunks.append(chunk)
                 return b"".join(chunks)
 
     def _receive_body(self, body: bytes) -> Receive:

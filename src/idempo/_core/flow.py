@@ -261,20 +261,22 @@ def _reserve(
         reservation = yield Reserve(
             scope, fingerprint, policy.now(), policy.lease, policy.ttl, lock_timeout
         )
-        if not isinstance(reservation, Acquired):
-            yield _DISCARD  # nothing will be written: end the transaction, if there is one
-        match reservation:
-            case Acquired() | Replay():
-                return reservation
-            case Mismatch():
-                raise FingerprintMismatchError(scope.key)
-            case InProgress(retry_after=retry_after):
-                if elapsed is None or wait is None:
-                    raise RequestInProgressError(scope.key, retry_after)
-                remaining = (wait - elapsed()).total_seconds()
-                if remaining <= 0:
-                    raise RequestInProgressError(scope.key, retry_after)
-                yield Sleep(min(retry_after, remaining), scope)
+        # isinstance tests, not a match on class patterns: this runs on every call.
+        if isinstance(reservation, Acquired):
+            return reservation
+        yield _DISCARD  # nothing will be written: end the transaction, if there is one
+        if isinstance(reservation, Replay):
+            return reservation
+        if isinstance(reservation, Mismatch):
+            raise FingerprintMismatchError(scope.key)
+        if isinstance(reservation, InProgress):
+            retry_after = reservation.retry_after
+            if elapsed is None or wait is None:
+                raise RequestInProgressError(scope.key, retry_after)
+            remaining = (wait - elapsed()).total_seconds()
+            if remaining <= 0:
+                raise RequestInProgressError(scope.key, retry_after)
+            yield Sleep(min(retry_after, remaining), scope)
 
 
 def _outcome(
@@ -564,6 +566,10 @@ class _Cancellation:
             raise _GaveUp
 
 
+_NOTHING_HELD = _Cancellation(None)
+"""What `apump` holds until an operation may suspend: no cancellation (never changed)."""
+
+
 async def _ended(task: asyncio.Future[Any], deadline: float) -> bool:
     """Whether ``task`` ended by ``deadline`` (the loop's time), however often the caller is
     cancelled meanwhile: the first cancellation is the one delivered."""
@@ -614,7 +620,8 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
     the flow releases the key, then the cancellation propagates. The flow's StopIteration is
     caught here: one that escaped a coroutine would turn into a RuntimeError (PEP 479).
     """
-    held = _Cancellation(cancelled)
+    # Made when first needed (an operation that may suspend): most calls never hold one.
+    held = _NOTHING_HELD if cancelled is None else _Cancellation(cancelled)
     perform = unit.perform
     discards = getattr(unit, "discards", True)
     try:
@@ -636,6 +643,8 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
                     if _SUSPENDS.get(getattr(done, "cr_code", None)) is False:
                         result = await done
                     else:
+                        if held is _NOTHING_HELD:
+                            held = _Cancellation(None)
                         result = await held.complete(done)
             except _GaveUp:
                 flow.close()

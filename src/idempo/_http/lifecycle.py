@@ -239,6 +239,13 @@ class Lifecycle:
         settings = self.settings
         resolver = settings.principal
         named = request.named
+        if (
+            resolver is None
+            and b"authorization" not in named
+            and b"cookie" not in named
+            and request.user() is None
+        ):
+            return ""  # what `Principals.resolve` answers then, without its calls
         principal = settings.principals.resolve(
             resolver(request.raw) if resolver else NO_RESOLVER,
             request.user,
