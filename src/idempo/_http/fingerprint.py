@@ -139,27 +139,10 @@ def canonical_parts(
 ) -> bytes:
     """`canonical_request` of a request given in parts, for adapters that would otherwise
     build an `HttpRequest` on every request only to take it apart here."""
-    content_type = (
-        b", ".join(header_values(request_headers, b"content-type")) if "body" in fields else b""
-    )
-    return _canonical_parts(
-        method, path, query, content_type, request_body, fields, headers, request_headers
-    )
-
-
-def _canonical_parts(
-    method: str,
-    path: str,
-    query: bytes,
-    content_type: bytes,
-    request_body: bytes,
-    fields: Collection[FingerprintField],
-    headers: Collection[str],
-    request_headers: Sequence[Header] = (),
-) -> bytes:
     parts: dict[str, Any] = {}
     # Filled in sort_keys order: body, headers, method, path, query, v.
     if "body" in fields:
+        content_type = b", ".join(header_values(request_headers, b"content-type"))
         body = _canonical_body(request_body, content_type)
         parts["body"] = hashlib.sha256(body).hexdigest()
     if headers:
@@ -184,72 +167,6 @@ def _canonical_parts(
     members = [f'"{name}":{_ascii_string(value)}' for name, value in parts.items()]
     members.append('"v":1')
     return ("{" + ",".join(members) + "}").encode()
-
-
-class CanonicalParts:
-    """`canonical_parts` for one middleware's ``fields`` and ``headers``, remembering the
-    canonical bytes of recent requests by their exact parts: a retry (or any request with
-    the same method, path, query, content type and body) is not parsed and canonicalised
-    again.
-
-    Only what `canonical_parts` reads goes into the cache key, and it is a pure function of
-    those parts, so a hit gives exactly the bytes a new computation would: a replay with
-    another payload is another key, computed afresh, and still refused. Without named
-    ``headers`` only the Content-Type of the request headers counts; with some, nothing is
-    cached (their values would join the key). At most ``size`` requests with bodies up to
-    ``max_body`` bytes are kept (about ``size * max_body`` bytes in all); when full, the
-    cache starts over (one atomic step: safe under threads).
-
-    >>> parts = CanonicalParts()
-    >>> json_type = [(b"content-type", b"application/json")]
-    >>> first = parts("POST", "/pay", b"", json_type, b'{"a": 1}')
-    >>> first == parts("POST", "/pay", b"", json_type, b'{"a": 1}') == canonical_parts(
-    ...     "POST", "/pay", b"", json_type, b'{"a": 1}'
-    ... )
-    True
-    """
-
-    def __init__(
-        self,
-        fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
-        headers: Collection[str] = (),
-        *,
-        size: int = 256,
-        max_body: int = 4096,
-    ) -> None:
-        self.fields = fields
-        self.headers = headers
-        self.size = size
-        self.max_body = max_body
-        self._known: dict[tuple[str, str, bytes, bytes, bytes], bytes] = {}
-
-    def __call__(
-        self,
-        method: str,
-        path: str,
-        query: bytes,
-        request_headers: Sequence[Header],
-        body: bytes,
-        content_type: Sequence[bytes] | None = None,
-    ) -> bytes:
-        """The canonical bytes of the request. ``content_type``: its Content-Type values,
-        when the caller found them already (else they are looked up in the headers)."""
-        if self.headers or len(body) > self.max_body:
-            return canonical_parts(
-                method, path, query, request_headers, body, self.fields, self.headers
-            )
-        if content_type is None:
-            content_type = header_values(request_headers, b"content-type")
-        media = content_type[0] if len(content_type) == 1 else b", ".join(content_type)
-        key = (method, path, query, media, body)
-        known = self._known
-        found = known.get(key)
-        if found is None:
-            found = _canonical_parts(method, path, query, media, body, self.fields, ())
-            if len(known) >= self.size:
-                known.clear()
-            known[key] = found
-        return found
 
 
 def request_fingerprint(

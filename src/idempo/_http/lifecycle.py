@@ -42,13 +42,13 @@ from ..errors import (
 )
 from ..events import Kind, key_digest, scrub
 from ..guard import AsyncHandle, Handle
-from .fingerprint import CanonicalParts
+from .fingerprint import canonical_parts
 from .keys import KEY_HEADER, Header, parse_key
 from .options import HttpSettings
 from .per_route import KeyHook, Routed, RouteRule
 from .principals import NO_RESOLVER
 from .problems import problem, problem_for
-from .response import HttpResponse, UnkeptResponse, replayed
+from .response import HttpResponse, UnkeptResponse
 from .routes import NO_ROUTE, RouteTemplate
 from .stored_text import MAX_STORED_TEXT, stored_text
 
@@ -68,9 +68,7 @@ __all__ = [
 
 logger = logging.getLogger("idempo.http")
 
-READ_HEADERS = frozenset(
-    {KEY_HEADER, b"content-length", b"content-type", b"authorization", b"cookie"}
-)
+READ_HEADERS = frozenset({KEY_HEADER, b"content-length", b"authorization", b"cookie"})
 """The request headers the lifecycle reads: an adapter finds them in one pass
 (`idempo._http.keys.headers_named`) and hands them on as ``named``."""
 
@@ -150,12 +148,9 @@ class Lifecycle:
         # The route-template hook (`idempo._http.routes`): the app's ``routes=`` or the
         # adapter's default for its framework, called with the framework's request.
         self.routes = routes
-        # The headers a request is read for: the key's (``key_header=``) and the size, type,
+        # The headers a request is read for: the key's (``key_header=``) and the size,
         # authorization and cookie ones.
         self.read_headers = (READ_HEADERS - {KEY_HEADER}) | {settings.key_header}
-        # The fingerprint's canonical bytes, remembered for recent requests: a retry's body
-        # is not parsed again (`CanonicalParts` says why that is exact).
-        self.canonical = CanonicalParts(settings.fingerprint_fields, settings.fingerprint_headers)
 
     def problem(self, exc: IdempotencyError) -> HttpResponse:
         """The problem response for a refusal, with this middleware's Retry-After settings."""
@@ -410,13 +405,14 @@ class Lifecycle:
         return self.idempotency.begin(
             key,
             operation=operation,
-            payload=self.canonical(
+            payload=canonical_parts(
                 method,
                 path,
                 request.query,
                 request.headers,
                 request.body,
-                request.named.get(b"content-type"),
+                settings.fingerprint_fields,
+                settings.fingerprint_headers,
             ),
             principal=principal,
             conn=conn,
@@ -457,7 +453,7 @@ def reserve(
     if attempt.replayed:  # a replay holds nothing
         stack.close()
         stored: HttpResponse = attempt.result
-        return replayed(stored, status_200=lifecycle.settings.replay_status_200)
+        return stored.replay(status_200=lifecycle.settings.replay_status_200)
     return Run(lifecycle, handle, conn, stack)
 
 
@@ -561,7 +557,7 @@ async def areserve(
     attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
         stored: HttpResponse = attempt.result
-        return replayed(stored, status_200=lifecycle.settings.replay_status_200)
+        return stored.replay(status_200=lifecycle.settings.replay_status_200)
     return AsyncRun(lifecycle, handle, conn)
 
 

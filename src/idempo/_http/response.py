@@ -62,29 +62,6 @@ class HttpResponse:
         return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), self.body)
 
 
-# The replay forms of recently replayed responses (the decoded ones `decode_response`
-# keeps, replayed again and again), by the response's identity: each entry holds its
-# response, so no other object can take that id while the entry lasts.
-_REPLAYS: dict[int, tuple[HttpResponse, bool, HttpResponse]] = {}
-
-
-def replayed(response: HttpResponse, *, status_200: bool = False) -> HttpResponse:
-    """``response.replay(status_200=status_200)``, remembered (see `HttpResponse.replay`).
-
-    >>> stored = HttpResponse(201, ((b"set-cookie", b"s=1"),), b"{}")
-    >>> replayed(stored) == stored.replay() and replayed(stored) is replayed(stored)
-    True
-    """
-    known = _REPLAYS.get(id(response))
-    if known is not None and known[0] is response and known[1] is status_200:
-        return known[2]
-    answer = response.replay(status_200=status_200)
-    if len(_REPLAYS) >= _DECODED_COUNT:
-        _REPLAYS.clear()
-    _REPLAYS[id(response)] = (response, status_200, answer)
-    return answer
-
-
 def _kept(headers: tuple[Header, ...], dropped: frozenset[bytes]) -> tuple[Header, ...]:
     """``headers`` without the fields named in ``dropped`` or in a ``Connection`` field."""
     names = [name.lower() for name, _ in headers]
@@ -128,32 +105,12 @@ def encode_response(response: HttpResponse) -> bytes:
     return head.encode() + b"\n" + response.body
 
 
-# Recently decoded stored responses, by their stored bytes: a key replayed again and again
-# is not parsed each time. Bounded in count and size (at most 256 x 4 KiB); when full it
-# starts over, one atomic step, so threads may share it. A decoded response is immutable.
-_DECODED: dict[bytes, HttpResponse] = {}
-_DECODED_COUNT = 256
-_DECODED_SIZE = 4096
-
-
 def decode_response(data: bytes) -> HttpResponse:
     """The response `encode_response` stored.
 
     Raises:
         CorruptRecordError: ``data`` is not a stored response of this format.
     """
-    known = _DECODED.get(data) if len(data) <= _DECODED_SIZE else None
-    if known is not None:
-        return known
-    response = _decoded(data)
-    if len(data) <= _DECODED_SIZE:
-        if len(_DECODED) >= _DECODED_COUNT:
-            _DECODED.clear()
-        _DECODED[bytes(data)] = response
-    return response
-
-
-def _decoded(data: bytes) -> HttpResponse:
     head_line, newline, body = data.partition(b"\n")
     try:
         head = json_loads(head_line)
