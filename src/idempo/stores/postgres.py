@@ -17,7 +17,7 @@ import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from datetime import timedelta
-from functools import lru_cache, partial
+from functools import lru_cache
 from time import monotonic
 from typing import Any, Self, TypeVar
 
@@ -40,7 +40,13 @@ from ..errors import (
 from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
 from ._sql.binding import sqlalchemy_connection
 from ._sql.dialect import FENCED_MARKER, Statement, pyformat
-from ._sql.postgres import UNHELD_MARKER, PostgresDialect, pg_ms
+from ._sql.postgres import (
+    PG_AGAIN_LOCK_TIMEOUT,
+    PG_RESTORE_LOCK_TIMEOUT,
+    PG_SET_LOCK_TIMEOUT,
+    PostgresDialect,
+    pg_ms,
+)
 from ._sql.transaction import (
     SAVEPOINT,
     AsyncSqlStore,
@@ -59,11 +65,11 @@ from ._sql.transaction import (
     TransactionEnded,
     TxGen,
     Undo,
-    UnitLogic,
+    abound,
     aexecute,
+    bound,
     execute,
     mapped,
-    unit_logic,
 )
 from ._watchdog import Watchdog
 from .base import Mode
@@ -71,7 +77,6 @@ from .base import Mode
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
 T = TypeVar("T")
-C = TypeVar("C")
 
 _pyformat = lru_cache(maxsize=256)(pyformat)
 # Few distinct lock timeouts are ever asked for; a cached one costs no Python call.
@@ -113,7 +118,9 @@ Queued = tuple[str, Any]
 _SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}", None)
 _RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}", None)
 _UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", None)
-_UNHELD: Queued = (PostgresDialect.unheld_sql, None)
+_SET_LOCK_TIMEOUT = pyformat(PG_SET_LOCK_TIMEOUT)
+_AGAIN_LOCK_TIMEOUT = pyformat(PG_AGAIN_LOCK_TIMEOUT)
+_RESTORE_LOCK_TIMEOUT: Queued = (PG_RESTORE_LOCK_TIMEOUT, None)
 _SET_SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(ms)s, false)"
 # The lock timeout the store set on one of its own connections (an attribute of it).
 _LOCK_TIMEOUT_SET = "_idempo_lock_timeout"
@@ -138,33 +145,24 @@ class _Batch:
     together when a result is needed, one statement as a plain execute, several in a psycopg
     pipeline (a pipeline costs an extra Sync, worth it only to save a round trip).
 
-    In transactional mode the reservation leaves in one pipeline with all that surrounds it
-    (the statement sets its own lock timeout and puts the app's back): BEGIN, and the
-    savepoint the work's writes can be rolled back to. The savepoint is taken at once, before
-    the answer is known.
-
-    When the guard begins the transaction and the connection has no transaction settings of
-    its own (isolation level, read-only, deferrable: None), the reservation goes first and
-    BEGIN after it: ``reservation, unheld check, BEGIN, SAVEPOINT``. PostgreSQL runs the
-    statements of one pipeline before BEGIN in an implicit transaction, which BEGIN turns
-    into the transaction it starts, reservation included. A reservation that took no key (a
-    replay, a mismatch, a duplicate in progress) fails the check, and PostgreSQL then skips
-    the rest and rolls the implicit transaction back: a replay costs one round trip, and the
-    connection is left idle, as it was. With settings of its own, BEGIN carries them and goes
-    first (a BEGIN after a statement can no longer set an isolation level); a replay then
-    ends its transaction with a COMMIT of its own.
+    In transactional mode the reservation leaves in one pipeline with all that surrounds it:
+    BEGIN with the connection's own isolation level, read-only and deferrable settings, the
+    reservation's lock timeout (the app's restored right after it), and the savepoint the
+    work's writes can be rolled back to. The savepoint is taken at once, before the answer is
+    known: a reservation that does not need it ends its transaction with it.
     """
 
-    def __init__(self, conn: Any, on_store: Any, *, app: bool = False) -> None:
+    def __init__(
+        self, conn: Any, lock_timeout: timedelta, on_store: Any, *, app: bool = False
+    ) -> None:
         self.conn = conn
         self.on_store = on_store
         # On the app's connection a serialization failure or deadlock is the app's to see.
         self.app = app
         self.pending: list[Queued] = []
         self.result_at = -1  # which pending statement's rows the caller waits for
-        self.reserving = False  # the reservation's statements follow, in the transaction
-        self.implicit = False  # ... and BEGIN goes behind them (see above)
-        self.checked = False  # the unheld check was sent with the reservation
+        self.default_wait = _pg_ms(lock_timeout)
+        self.reserving: str | None = None  # the reservation's lock timeout, while it runs
         self.marked = False  # the savepoint follows the reservation's last statement
         self.flip = False  # send with autocommit on, then give the app back its "off"
         self.answer: Any = None  # what `need` answered, when nothing was left to do
@@ -181,60 +179,39 @@ class _Batch:
                 " record in the connection's transaction; use mode='leased' or no conn"
             )
         began = self.idle()
-        self.reserving = op.reserves
-        self.implicit = began and op.reserves and _no_settings(conn)
-        if began and not self.implicit:
+        if began:
             begin = _begin(conn.isolation_level, conn.read_only, conn.deferrable)
             self.pending.append((begin, None))
             # With autocommit off psycopg would send a BEGIN of its own first, a round trip
             # apart; it is off again as soon as ours is sent.
             self.flip = not conn.autocommit
+        if op.reserves:
+            wait = self.default_wait if op.lock_timeout is None else _pg_ms(op.lock_timeout)
+            self.pending.append((_SET_LOCK_TIMEOUT, {"ms": wait}))
+            self.reserving = wait
         return began
 
     def statement(self, sql: str, params: Any) -> None:
         pending = self.pending
-        if not self.reserving:
+        if self.reserving is None:
             pending.append((sql, params))
             self.result_at = len(pending) - 1
             return
         if self.marked:
             # The reservation asks again: the savepoint moves behind its new statement.
-            pending.append(_RELEASE)
+            pending += [_RELEASE, (_AGAIN_LOCK_TIMEOUT, {"ms": self.reserving})]
         pending.append((sql, params))
         self.result_at = len(pending) - 1
-        if self.implicit and self.idle():
-            # First, or again after a reservation that took nothing ended its transaction.
-            pending += [_UNHELD, _BEGIN_DEFAULT, _SAVEPOINT]
-            self.flip = not self.conn.autocommit
-            self.checked = True
-        else:
-            pending.append(_SAVEPOINT)
+        pending += [_RESTORE_LOCK_TIMEOUT, _SAVEPOINT]
         self.marked = True
 
     def mark(self) -> None:
         if not self.marked:
-            self.pending.append(_SAVEPOINT)
+            # The app's lock timeout comes back only where the reservation's replaced it.
+            restore = [_RESTORE_LOCK_TIMEOUT] if self.reserving is not None else []
+            self.pending += [*restore, _SAVEPOINT]
             self.marked = True
-        self.reserving = self.implicit = False
-
-    def unheld(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is the unheld check failing: the reservation's rows came back,
-        and its transaction is over (nothing was held, so nothing is lost)."""
-        if not self.checked or not isinstance(exc, pg_errors.InvalidTextRepresentation):
-            return False
-        self.checked = self.marked = False
-        return UNHELD_MARKER in str(exc)
-
-    def sent(self) -> None:
-        self.checked = False
-
-    def outcome(self, cursors: list[C], at: int, failed: BaseException | None) -> C:
-        """The cursor of the awaited statement of a pipeline; raises what failed, unless
-        only the unheld check did (an error caught inside the pipeline block, so psycopg
-        does not log the failed Sync as an error of its own)."""
-        if failed is not None and not self.unheld(failed):
-            raise failed
-        return cursors[at]
+        self.reserving = None
 
     def check(self) -> None:
         """The savepoint's release goes with the completion; it fails if the app ended the
@@ -271,7 +248,7 @@ class _Batch:
 
     def ended(self) -> None:
         """The transaction is over."""
-        self.reserving = self.implicit = self.checked = self.marked = self.flip = False
+        self.reserving, self.marked, self.flip = None, False, False
 
     def translate(self, exc: BaseException) -> BaseException:
         """What a failure of sent statements means to the transaction's logic."""
@@ -304,11 +281,6 @@ class _Batch:
             self.undo()
             return _SEND
         if isinstance(op, Commit):
-            if not self.pending and self.idle():
-                # The reservation's transaction ended with it (it took no key): nothing to
-                # commit, and a COMMIT would only draw a warning.
-                self.ended()
-                return _DONE
             self.pending.append(("COMMIT", None))
             return _COMMIT
         if isinstance(op, Rollback):
@@ -323,12 +295,6 @@ class _Batch:
 
 
 _SAVEPOINT_GONE = (pg_errors.InvalidSavepointSpecification, pg_errors.NoActiveSqlTransaction)
-_BEGIN_DEFAULT: Queued = ("BEGIN", None)
-
-
-def _no_settings(conn: Any) -> bool:
-    """Whether the connection leaves every transaction setting to the server."""
-    return conn.isolation_level is None and conn.read_only is None and conn.deferrable is None
 
 # What is left for an executor's face to do after `_Batch.need`: sans-I/O above, the
 # driver's calls below.
@@ -355,9 +321,11 @@ class _PsycopgTx:
     this face only makes psycopg's calls. ``on_store`` is given for the app's connection (a
     guarded call), None for the store's own."""
 
-    def __init__(self, conn: psycopg.Connection[Any], on_store: Any = None) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], lock_timeout: timedelta, on_store: Any = None
+    ) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
         self.pending = self.batch.pending
         self.error = error
 
@@ -402,20 +370,10 @@ class _PsycopgTx:
                 if len(pending) == 1:
                     sql, params = pending[0]
                     return conn.execute(sql, params, prepare=params is not None)
-                cursors: list[psycopg.Cursor[Any]] = []
-                failed: psycopg.Error | None = None
-                try:
-                    with conn.pipeline():
-                        try:
-                            for q, p in pending:
-                                cursors.append(conn.execute(q, p, prepare=p is not None))
-                        except psycopg.Error as exc:  # the rest is skipped by the server
-                            failed = exc
-                except psycopg.Error as exc:
-                    failed = failed or exc
-                return batch.outcome(cursors, at, failed)
+                with conn.pipeline():
+                    cursors = [conn.execute(q, p, prepare=p is not None) for q, p in pending]
+                return cursors[at]
             finally:
-                batch.sent()
                 if flip:
                     _autocommit_off(conn)
         except psycopg.Error as exc:
@@ -425,9 +383,11 @@ class _PsycopgTx:
 class _AsyncPsycopgTx:
     """The asynchronous face of `_PsycopgTx`: the same calls, awaited."""
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any], on_store: Any = None) -> None:
+    def __init__(
+        self, conn: psycopg.AsyncConnection[Any], lock_timeout: timedelta, on_store: Any = None
+    ) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
         self.pending = self.batch.pending
         self.error = error
 
@@ -471,20 +431,10 @@ class _AsyncPsycopgTx:
                 if len(pending) == 1:
                     sql, params = pending[0]
                     return await conn.execute(sql, params, prepare=params is not None)
-                cursors: list[psycopg.AsyncCursor[Any]] = []
-                failed: psycopg.Error | None = None
-                try:
-                    async with conn.pipeline():
-                        try:
-                            for q, p in pending:
-                                cursors.append(await conn.execute(q, p, prepare=p is not None))
-                        except psycopg.Error as exc:  # the rest is skipped by the server
-                            failed = exc
-                except psycopg.Error as exc:
-                    failed = failed or exc
-                return batch.outcome(cursors, at, failed)
+                async with conn.pipeline():
+                    cursors = [await conn.execute(q, p, prepare=p is not None) for q, p in pending]
+                return cursors[at]
             finally:
-                batch.sent()
                 if flip:
                     _autocommit_off(conn)
         except psycopg.Error as exc:
@@ -676,16 +626,6 @@ def _watchdog(connector: _Connector | None, read_timeout: timedelta | float | No
     return Watchdog(bound, _socket_of, _lock_wait, server="PostgreSQL")
 
 
-def _logic(dialect: PostgresDialect, mode: Mode, lock_timeout: timedelta | None) -> UnitLogic:
-    """The logic of a guarded call on the app's connection. In transactional mode the
-    reservation's statement sets its lock timeout itself (the policy's, or a caller's
-    shorter bound); leased mode reserves on the store's own connection."""
-    timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
-    if mode == "transactional":
-        return unit_logic(dialect.waiting(timeout), mode, timeout, dialect.waiting)
-    return unit_logic(dialect, mode, timeout)
-
-
 class PostgresStore(SqlStore):
     """A PostgreSQL store. Safe to share between threads; each verb borrows a pooled connection.
 
@@ -761,7 +701,7 @@ class PostgresStore(SqlStore):
     def run(self, gen: TxGen[T]) -> T:
         try:
             with self._connection() as conn:
-                return execute(_PsycopgTx(conn), gen)
+                return execute(_PsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
         except psycopg.Error as exc:  # the pool's, the connection's: not the statements'
             raise error(exc) from exc
 
@@ -769,16 +709,18 @@ class PostgresStore(SqlStore):
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> SyncUnit:
         """A unit that runs a guarded call on the app's connection (psycopg or SQLAlchemy)."""
-        logic = _logic(self.dialect, mode, lock_timeout)
+        timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
         if isinstance(conn, psycopg.Connection):
-            return SyncUnit(logic, partial(execute, _PsycopgTx(conn, self.run)))
+            return bound(self.dialect, mode, timeout, _PsycopgTx(conn, timeout, self.run))
         conn = sqlalchemy_connection(
             conn, asynchronous=False, store="PostgresStore", driver="a psycopg.Connection"
         )
         from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = SqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
-        return SyncUnit(logic, executor.run)
+        executor = SqlAlchemyTx(
+            conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
+        )
+        return bound(self.dialect, mode, timeout, executor)
 
     def close(self) -> None:
         self._watchdog.close()
@@ -852,7 +794,7 @@ class AsyncPostgresStore(AsyncSqlStore):
     async def run(self, gen: TxGen[T]) -> T:
         try:
             async with self._connection() as conn:
-                return await aexecute(_AsyncPsycopgTx(conn), gen)
+                return await aexecute(_AsyncPsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
         except psycopg.Error as exc:
             raise error(exc) from exc
 
@@ -860,9 +802,9 @@ class AsyncPostgresStore(AsyncSqlStore):
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> AsyncUnit:
         """A unit that runs a guarded call on the app's async connection or session."""
-        logic = _logic(self.dialect, mode, lock_timeout)
+        timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
         if isinstance(conn, psycopg.AsyncConnection):
-            return AsyncUnit(logic, partial(aexecute, _AsyncPsycopgTx(conn, self.run)))
+            return abound(self.dialect, mode, timeout, _AsyncPsycopgTx(conn, timeout, self.run))
         conn = sqlalchemy_connection(
             conn,
             asynchronous=True,
@@ -872,9 +814,9 @@ class AsyncPostgresStore(AsyncSqlStore):
         from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = AsyncSqlAlchemyTx(
-            conn, self.dialect, self.run, map_error, conflict=is_conflict
+            conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
         )
-        return AsyncUnit(logic, executor.run)
+        return abound(self.dialect, mode, timeout, executor)
 
     async def aclose(self) -> None:
         self._watchdog.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import operator
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -12,10 +11,17 @@ from ..._core.ops import Reserve, Settle
 from ..._core.record import InProgress, Reservation
 from .dialect import COLUMNS, FENCED_MARKER, RESERVE_TRIES, SqlDialect, SqlGen, Statement
 
-# What the statement after a reservation on the app's connection raises when the reservation
-# holds nothing (a replay, a mismatch, a lost race), so that PostgreSQL ends the transaction
-# the reservation ran in, with nothing else sent (see `PostgresDialect.unheld_sql`).
-UNHELD_MARKER = "idempo-unheld"
+# PostgreSQL's lock timeout for the reservation's statements only, shared by the psycopg and
+# SQLAlchemy executors: the app's statements after it wait as the connection says. The app's
+# setting is kept meanwhile in a variable of the transaction (the subquery runs first).
+PG_SET_LOCK_TIMEOUT = (
+    "SELECT set_config('lock_timeout', :ms, true) FROM (SELECT set_config("
+    "'idempo.lock_timeout', current_setting('lock_timeout'), true)) AS saved"
+)
+PG_AGAIN_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', :ms, true)"
+PG_RESTORE_LOCK_TIMEOUT = (
+    "SELECT set_config('lock_timeout', current_setting('idempo.lock_timeout'), true)"
+)
 
 
 def pg_ms(timeout: timedelta) -> str:
@@ -36,26 +42,9 @@ class PostgresDialect(SqlDialect):
     name = "postgresql"
     server_clock = "statement_timestamp()"
 
-    # The reservation's lock timeout (PostgreSQL's setting, "200ms") when the statement sets
-    # it itself, on the app's connection; None on the store's own, where the session has it.
-    lock_ms: str | None = None
-
     def __init__(self, table: str) -> None:
         super().__init__(table)
         self.sequence = self.tokens
-        self._waiting: dict[str, PostgresDialect] = {}
-
-    def waiting(self, lock_timeout: timedelta) -> PostgresDialect:
-        """This dialect for the app's connection: its reservation waits on a row lock at most
-        ``lock_timeout`` and sets that itself (made once per value, then reused)."""
-        ms = pg_ms(lock_timeout)
-        clone = self._waiting.get(ms)
-        if clone is None:
-            clone = copy.copy(self)
-            clone.lock_ms = ms
-            clone.__dict__.pop("reserve_statement", None)
-            self._waiting[ms] = clone
-        return clone
 
     def py_time(self, value: Any) -> datetime:
         # timestamptz comes back in the session's TimeZone; a record's times are UTC.
@@ -104,23 +93,6 @@ class PostgresDialect(SqlDialect):
         ]
 
     @cached_property
-    def _takeover_allowed(self) -> str:
-        now = self.now
-        return (
-            f"EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= {now}"
-            f" OR (e.state = 'in_progress' AND e.lease_expires_at <= {now}"
-            " AND e.fingerprint = :fingerprint)) AND "
-        )
-
-    @cached_property
-    def _insert_sql(self) -> str:
-        return (
-            f"INSERT INTO {self.table} AS r ({self.insert_columns})"
-            f" SELECT {self.insert_values} WHERE NOT EXISTS (SELECT 1 FROM existing)"
-            f" ON CONFLICT DO NOTHING RETURNING {COLUMNS}"
-        )
-
-    @cached_property
     def reserve_sql(self) -> str:
         # One round trip for every case, and one index lookup for a replay: the insert and
         # the takeover only run when what the first read found calls for them (their guards
@@ -129,74 +101,30 @@ class PostgresDialect(SqlDialect):
         # committed while we waited on its row is invisible here: then no row comes back and
         # the caller simply asks again. nextval runs only for a row being written.
         now = self.now
+        takeover_allowed = (
+            f"EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= {now}"
+            f" OR (e.state = 'in_progress' AND e.lease_expires_at <= {now}"
+            " AND e.fingerprint = :fingerprint)) AND "
+        )
+        insert = (
+            f"INSERT INTO {self.table} AS r ({self.insert_columns})"
+            f" SELECT {self.insert_values} WHERE NOT EXISTS (SELECT 1 FROM existing)"
+            f" ON CONFLICT DO NOTHING RETURNING {COLUMNS}"
+        )
         return (
             f"WITH existing AS ({self.select_sql}),"
-            f" inserted AS ({self._insert_sql}),"
-            f" taken AS ({self.takeover_where(self._takeover_allowed)})"
+            f" inserted AS ({insert}),"
+            f" taken AS ({self.takeover_where(takeover_allowed)})"
             f" SELECT true, {COLUMNS}, {now} FROM inserted"
             f" UNION ALL SELECT true, {COLUMNS}, {now} FROM taken"
             f" UNION ALL SELECT false, {COLUMNS}, {now} FROM existing"
             " WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)"
         )
 
-    @cached_property
-    def locking_reserve_sql(self) -> str:
-        """The reservation for the app's connection, carrying its own lock timeout.
-
-        The app's statements must keep waiting as the app's connection says, so the
-        statement sets ``lock_timeout`` for itself and puts the app's value back before it
-        ends, with no statement of its own for either. The setting is made in ``saved``, which
-        every part reads first (the read of ``existing`` is gated on it, and the insert and
-        the takeover on ``existing``), so it is in force before any of them can wait on a row
-        lock. It is put back in the projection of the one row the statement returns, made
-        only once every part has run (a left join, so even a lost race, which finds nothing,
-        returns a row, of NULLs). That row also leaves ``idempo.held`` = 'y' in the
-        transaction when the key was taken: `unheld_sql` reads it.
-        """
-        now = self.now
-        return (
-            "WITH saved AS MATERIALIZED (SELECT set_config('idempo.lock_timeout',"
-            " current_setting('lock_timeout'), true) AS app,"
-            " set_config('lock_timeout', :lock_ms, true) AS ours),"
-            f" existing AS ({self.select_sql} AND EXISTS (SELECT 1 FROM saved)),"
-            f" inserted AS ({self._insert_sql}),"
-            f" taken AS ({self.takeover_where(self._takeover_allowed)}),"
-            f" answer AS (SELECT true AS acquired, {COLUMNS}, {now} AS decided FROM inserted"
-            f" UNION ALL SELECT true, {COLUMNS}, {now} FROM taken"
-            f" UNION ALL SELECT false, {COLUMNS}, {now} FROM existing"
-            " WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken))"
-            " SELECT answer.*,"
-            " set_config('lock_timeout', (SELECT app FROM saved), true),"
-            " set_config('idempo.held', CASE WHEN answer.acquired THEN 'y' ELSE '' END, true)"
-            " FROM (VALUES (1)) AS one (n) LEFT JOIN answer ON true"
-        )
-
-    # Sent right after the reservation when the guard begins the transaction (see
-    # `_Batch` in stores/postgres.py): it fails unless the reservation took the key, and a
-    # failure ends the transaction the reservation ran in before the BEGIN behind it.
-    unheld_sql = (
-        "SELECT CASE WHEN current_setting('idempo.held', true) = 'y' THEN 1 ELSE CAST("
-        f"'{UNHELD_MARKER}: the reservation took no key, so the transaction it ran in ends"
-        " here (this error is how idempo ends it without another round trip)' AS integer) END"
-    )
-
-    @cached_property
-    def reserve_statement(self) -> str:
-        return self.reserve_sql if self.lock_ms is None else self.locking_reserve_sql
-
-    def reserve_params(self, op: Reserve) -> dict[str, Any]:
-        params = super().reserve_params(op)
-        if self.lock_ms is not None:
-            # The caller's bound, when shorter than the unit's (a deadline), else the unit's.
-            ms = self.lock_ms if op.lock_timeout is None else pg_ms(op.lock_timeout)
-            params["lock_ms"] = ms
-        return params
-
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         params = self.reserve_params(op)
-        sql = self.reserve_statement
         for _ in range(RESERVE_TRIES):
-            rows = yield Statement(sql, params)
+            rows = yield Statement(self.reserve_sql, params)
             reservation = self.judge_rows(rows, op)
             if reservation is not None:
                 return reservation
