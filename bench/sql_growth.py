@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -68,7 +69,7 @@ def result_of(key: str, pad: int) -> dict[str, Any]:
 
 def loaded_key(i: int) -> str:
     """The key of the i-th loaded record (1-based), as the loaders make it in SQL."""
-    return "L" + hashlib.md5(str(i).encode()).hexdigest()  # noqa: S324 - not security
+    return "L" + hashlib.md5(str(i).encode()).hexdigest()  # not security: the loaders' own keys
 
 
 # --------------------------------------------------------------------------- the servers
@@ -137,7 +138,9 @@ class Postgres(Server):
             row = conn.execute("SHOW server_version").fetchone()
             buffers = conn.execute("SHOW shared_buffers").fetchone()
             vacuum = conn.execute("SHOW autovacuum").fetchone()
-        assert row and buffers and vacuum
+        assert row
+        assert buffers
+        assert vacuum
         return f"PostgreSQL {row[0]}, shared_buffers {buffers[0]}, autovacuum {vacuum[0]}"
 
     def load(self, name: str, count: int, *, expired: bool, fingerprint: str, pad: int) -> None:
@@ -161,8 +164,7 @@ class Postgres(Server):
                      "pad": pad, "count": count, "first": first, "last": last},
                 )  # fmt: skip
             conn.execute(
-                f"SELECT setval('{table}_tokens', greatest(%s, last_value))"
-                f" FROM {table}_tokens",
+                f"SELECT setval('{table}_tokens', greatest(%s, last_value)) FROM {table}_tokens",
                 (count + 1,),
             )
             conn.execute(f"VACUUM ANALYZE {table}")
@@ -212,7 +214,8 @@ class MariaDB(Server):
         return f"MariaDB {row[0]}, innodb_buffer_pool_size {int(row[1]) // 2**20} MiB"
 
     def load(self, name: str, count: int, *, expired: bool, fingerprint: str, pad: int) -> None:
-        start = "UTC_TIMESTAMP(6) - INTERVAL 2 DAY" if expired else "UTC_TIMESTAMP(6) - INTERVAL 12 HOUR"
+        ago = "2 DAY" if expired else "12 HOUR"
+        start = f"UTC_TIMESTAMP(6) - INTERVAL {ago}"
         table = self.table(name)
         step = 11 * 3600 * 10**6 // count  # microseconds between records
         prefix = f"{len(PRINCIPAL)}:{PRINCIPAL}{len(OPERATION)}:{OPERATION}"
@@ -346,8 +349,8 @@ def growth(server: Server, small: int, big: int, calls: int, pad: int) -> None:
         for i in range(calls):
             shift = i % len(steps)
             for kind, size in steps[shift:] + steps[:shift]:
-                guard = guards[size]
-                samples[kind, size].append(timed(lambda: kinds[kind](guard, size)))
+                call = kinds[kind]
+                samples[kind, size].append(timed(partial(call, guards[size], size)))
         print(f"\ngrowth: {calls} calls of each kind per size, interleaved (ms)")
         print(f"{'call':<22}{'p50 1e4':>9}{'p50 N':>9}{'p99 1e4':>9}{'p99 N':>9}{'N / 1e4':>9}")
         for kind in kinds:
@@ -388,10 +391,11 @@ def reads(server: Server, small: int, big: int, pad: int) -> None:
         print(line)
 
 
-def purge_all(store: Any, batch: int) -> int:
-    """What ``idempo purge`` does with the records: its own loop when the CLI has one."""
+def purge_all(store: Any, batch: int, rest: float) -> int:
+    """What ``idempo purge`` does with the records: its own loop when the CLI has one (with
+    its rest between batches), else batches until a short one, flat out."""
     try:
-        from idempo.cli import purge_records  # type: ignore[attr-defined]
+        from idempo.cli import purge_records  # type: ignore[attr-defined,unused-ignore]
     except ImportError:
         total = 0
         while (deleted := store.purge(limit=batch)) > 0:
@@ -399,10 +403,10 @@ def purge_all(store: Any, batch: int) -> int:
             if deleted < batch:
                 break
         return total
-    return int(purge_records(store, batch=batch))
+    return int(purge_records(store, batch=batch, rest=rest))
 
 
-def purge(server: Server, big: int, count: int, batch: int, fp: str, pad: int) -> None:
+def purge(server: Server, big: int, count: int, batch: int, rest: float, fp: str, pad: int) -> None:
     server.migrate("expired")
     started = time.perf_counter()
     server.load("expired", count, expired=True, fingerprint=fp, pad=pad)
@@ -410,9 +414,10 @@ def purge(server: Server, big: int, count: int, batch: int, fp: str, pad: int) -
     store = server.store("expired", pool=1)
     try:
         started = time.perf_counter()
-        purged = purge_all(store, batch)
+        purged = purge_all(store, batch, rest)
         took = time.perf_counter() - started
-        print(f"  purged {purged} in {took:.2f} s: {purged / took:,.0f} records/s (batch {batch})")
+        rate = f"{purged / took:,.0f} records/s (batch {batch}, rest {rest:g})"
+        print(f"  purged {purged} in {took:.2f} s: {rate}")
         left = server.count("expired")
         if left:
             print(f"  !! {left} records left")
@@ -423,16 +428,19 @@ def purge(server: Server, big: int, count: int, batch: int, fp: str, pad: int) -
     live = server.store(f"g{big}", pool=1)
     try:
         nothing = [timed(lambda: live.purge(limit=batch)) for _ in range(20)]
-        print(f"  a purge that finds nothing, {big} live records: {ms(statistics.median(nothing))} ms")
+        took_ms = ms(statistics.median(nothing))
+        print(f"  a purge that finds nothing, {big} live records: {took_ms} ms")
     finally:
         live.close()
 
 
-def _purge_process(kind: str, pg_url: str, mariadb_url: str, batch: int, done: Any) -> None:
+def _purge_process(
+    kind: str, pg_url: str, mariadb_url: str, batch: int, done: Any, rest: float = 1.0
+) -> None:
     server = make_server(kind, pg_url, mariadb_url)
     store = server.store("expired", pool=1)
     try:
-        done.put((purge_all(store, batch), time.perf_counter()))
+        done.put((purge_all(store, batch, rest), time.perf_counter()))
     finally:
         store.close()
 
@@ -450,7 +458,7 @@ def live(
         done = ctx.Queue()
         proc = ctx.Process(
             target=_purge_process,
-            args=(kind, args.pg_url, args.mariadb_url, args.batch, done),
+            args=(kind, args.pg_url, args.mariadb_url, args.batch, done, args.rest),
         )
 
         def window(until: Callable[[], bool]) -> tuple[list[float], list[float]]:
@@ -525,12 +533,12 @@ def concurrency(server: Server, kind: str, args: argparse.Namespace, big: int) -
         procs = max(1, min(clients, args.processes))
         threads = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
         ready, go, counts = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        common = (args.pg_url, args.mariadb_url, f"g{big}")
         workers = [
             ctx.Process(
                 target=_client_process,
-                args=(kind, args.pg_url, args.mariadb_url, f"g{big}", n, args.seconds,
-                      args.pad, ready, go, counts),
-            )  # fmt: skip
+                args=(kind, *common, n, args.seconds, args.pad, ready, go, counts),
+            )
             for n in threads
         ]
         for worker in workers:
@@ -566,7 +574,7 @@ def run(kind: str, args: argparse.Namespace) -> None:
         if "growth" in phases:
             growth(server, args.small, args.records, args.calls, args.pad)
         if "purge" in phases:
-            purge(server, args.records, args.records, args.batch, fp, args.pad)
+            purge(server, args.records, args.records, args.batch, args.rest, fp, args.pad)
         if "live" in phases:
             live(server, kind, args, args.records, args.records, fp)
         if "concurrency" in phases:
@@ -583,6 +591,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--small", type=int, default=10_000, help="the small table (10^4)")
     parser.add_argument("--calls", type=int, default=1500, help="growth calls per kind and size")
     parser.add_argument("--batch", type=int, default=1000, help="purge batch (idempo purge's)")
+    parser.add_argument(
+        "--rest", type=float, default=1.0, help="idempo purge's rest between batches (x its time)"
+    )
     parser.add_argument("--pad", type=int, default=200, help="bytes of padding per response")
     parser.add_argument("--seconds", type=float, default=8.0, help="per concurrency step")
     parser.add_argument("--clients", default="1,4,16,64", help="concurrency steps")

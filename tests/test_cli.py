@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from helpers import new_key
 from idempo import Idempotency, Policy, Scope
-from idempo.cli import app
+from idempo.cli import app, purge_records
 from idempo.events import key_digest
 from idempo.stores import open_store
 from idempo.testing import FakeClock
@@ -71,6 +71,31 @@ def test_migrate_inspect_stats_and_purge_on_sqlite(tmp_path: Path) -> None:
 
 
 @pytest.mark.postgres
+def test_purge_rests_after_each_full_batch_in_proportion_to_its_time() -> None:
+    """idempo purge's loop stops at the first short batch and, after each full one, pauses
+    ``rest`` times as long as that batch took (on an injected clock), so a long purge leaves
+    live calls that share of the time; ``rest=0`` never pauses."""
+
+    class Batches:
+        def __init__(self) -> None:
+            self.left = [3, 3, 1]
+
+        def purge(self, *, before: datetime | None, limit: int) -> int:
+            assert limit == 3
+            return self.left.pop(0)
+
+    ticks = iter([0.0, 0.5, 10.0, 10.2, 20.0, 20.1])
+    rests: list[float] = []
+    total = purge_records(
+        Batches(), batch=3, rest=2.0, sleep=rests.append, clock=lambda: next(ticks)
+    )
+    assert total == 7
+    assert rests == pytest.approx([1.0, 0.4])  # not after the short, last batch
+    rests.clear()
+    assert purge_records(Batches(), batch=3, rest=0, sleep=rests.append) == 7
+    assert rests == []
+
+
 def test_migrate_and_purge_on_postgresql(postgres_url: str, pg_schema: str) -> None:
     """migrate and purge work against the real PostgreSQL server."""
     url = f"{postgres_url}?table={pg_schema}.idempo_records"

@@ -25,6 +25,7 @@ from idempo import FencedError, Scope, Status
 from idempo._core.record import Acquired
 from idempo.stores.memory import MemoryStore
 from idempo.stores.mysql import connect_options
+from idempo.stores.postgres import PostgresStore
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SHORT = timedelta(seconds=1)
@@ -114,7 +115,7 @@ def lock_waits(database: Database) -> int:
             row = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity"
                 " WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                (f"DELETE FROM {database.schema}.%",),
+                (f"%DELETE FROM {database.schema}.%",),  # the purge is a CTE's delete
             ).fetchone()
     else:
         with pymysql.connect(**connect_options(database.location), autocommit=True) as conn:
@@ -272,3 +273,57 @@ def test_purge_never_deletes_live_reservations_or_fresh_completions(store: Any) 
         lost = lost_records(store, held)
         assert lost == [], f"round {round_}: purge deleted {len(lost)} live records: {lost[:5]}"
         assert purged <= KEYS_PER_ROUND
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("plan", ["force_custom_plan", "force_generic_plan"])
+def test_postgres_purge_deletes_exactly_the_expired_records_on_either_plan(
+    postgres_url: str, pg_schema: str, plan: str
+) -> None:
+    """The purge statement is prepared, so after a few runs PostgreSQL may switch to its
+    generic plan: on either plan, batch after batch, purge deletes every expired record and
+    nothing else (not a record inside its retention, not one under a live lease)."""
+    url = f"{postgres_url}?options=-c%20plan_cache_mode%3D{plan}"
+    store = PostgresStore(url, table=f"{pg_schema}.idempo_records", max_size=1)
+    try:
+        store.migrate()
+        expired = [f"old-{i}" for i in range(23)]
+        seed_expired(store, expired)
+        for key in ("kept-1", "kept-2"):  # completed at T1, kept an hour
+            taken = store.reserve(scope(key), "fp", now=T1, lease=SHORT, ttl=LONG)
+            assert isinstance(taken, Acquired), taken
+            store.complete(scope(key), taken.token, b"kept", now=T1, ttl=LONG)
+        # Reserved at T0 with a lease running past T1: retention over, lease live.
+        leased = store.reserve(scope("leased"), "fp", now=T0, lease=LONG * 2, ttl=SHORT)
+        assert isinstance(leased, Acquired), leased
+
+        batches = []
+        while (deleted := store.purge(before=T1, limit=4)) > 0:
+            batches.append(deleted)
+        assert batches == [4, 4, 4, 4, 4, 3]  # more runs than PostgreSQL's 5 custom plans
+        assert all(store.get(scope(key)) is None for key in expired)
+        for key in ("kept-1", "kept-2", "leased"):
+            assert store.get(scope(key)) is not None, key
+        store.complete(scope("leased"), leased.token, b"done", now=T1, ttl=LONG)
+    finally:
+        store.close()
+
+
+def test_purge_batches_until_a_short_one_leave_nothing_expired_behind(store: Any) -> None:
+    """Batches pick up where the last full one ended, oldest expiry first; a record that
+    expired behind that point (made earlier with a shorter retention) is still purged
+    before a batch comes up short, so a purge run leaves nothing purgeable."""
+    seed_expired(store, [f"a{i}" for i in range(4)])
+    assert store.purge(before=T1, limit=2) == 2
+    early = T0 - timedelta(minutes=30)  # expired half an hour before the others
+    taken = store.reserve(scope("early"), "fp", now=early, lease=SHORT, ttl=SHORT)
+    assert isinstance(taken, Acquired), taken
+    store.complete(scope("early"), taken.token, b"early", now=early, ttl=SHORT)
+
+    batches = []
+    while (deleted := store.purge(before=T1, limit=2)) > 0:
+        batches.append(deleted)
+        if deleted < 2:
+            break
+    assert sum(batches) == 3
+    assert all(store.get(scope(key)) is None for key in ["early", "a0", "a1", "a2", "a3"])

@@ -16,7 +16,8 @@ import json
 import logging
 import re
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any
@@ -309,6 +310,35 @@ def _outbox(store: Any, table: str | None) -> Outbox | None:
     return Outbox(table or outbox_table(store.dialect.table))
 
 
+def purge_records(
+    store: Any,
+    *,
+    batch: int = 1000,
+    before: datetime | None = None,
+    rest: float = 1.0,
+    sleep: Callable[[float], object] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """Delete ``store``'s expired records in batches of ``batch`` until one comes up short;
+    returns how many. After each full batch it rests ``rest`` times as long as the batch took,
+    so that a long purge leaves the database (and a small machine's cores) to live calls for
+    that share of the time; ``rest=0`` purges flat out.
+
+    >>> from idempo.stores.memory import MemoryStore
+    >>> purge_records(MemoryStore(), rest=0)
+    0
+    """
+    total = 0
+    while True:
+        started = clock()
+        deleted = int(store.purge(before=before, limit=batch))
+        total += deleted
+        if deleted < batch:
+            return total
+        if rest > 0:
+            sleep(rest * (clock() - started))
+
+
 @app.command()
 def purge(
     url: StoreUrl,
@@ -317,6 +347,10 @@ def purge(
         typer.Option(help="purge records expired before this (default: the store's now)"),
     ] = None,
     batch: Annotated[int, typer.Option(min=1, help="records per delete")] = 1000,
+    rest: Annotated[
+        float,
+        typer.Option(min=0, help="after each batch, pause this many times as long as it took"),
+    ] = 1.0,
     outbox_retention: Annotated[
         float,
         typer.Option(min=0, help="also purge outbox messages sent more than this many seconds ago"),
@@ -327,13 +361,10 @@ def purge(
     """Delete expired records, and outbox messages sent past their retention, in bounded
     batches. Pending outbox messages are never purged."""
     cutoff = None if before is None else before.astimezone(UTC)
-    total = sent = 0
+    sent = 0
     outbox_missing = False
     with _store(url, create=False) as store:
-        while (deleted := store.purge(before=cutoff, limit=batch)) > 0:
-            total += deleted
-            if deleted < batch:
-                break
+        total = purge_records(store, batch=batch, before=cutoff, rest=rest)
         outbox = _outbox(store, outbox_table)
         if outbox is not None:
             retention = timedelta(seconds=outbox_retention)

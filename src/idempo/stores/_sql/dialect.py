@@ -11,7 +11,7 @@ import hashlib
 import re
 from collections.abc import Generator
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -38,6 +38,8 @@ class Statement(NamedTuple):
 
 SqlGen = Generator[Statement, Rows | None, T]
 
+# Earlier than any record's expiry: where a sweep of purge batches starts.
+_OLDEST = datetime(1, 1, 2, tzinfo=UTC)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 _NAMED_PARAM = re.compile(r"(?<!:):([a-z_]+)")
 
@@ -120,6 +122,13 @@ class SqlDialect:
             raise ConfigurationError(f"{table!r} is not a plain (optionally schema.) table name")
         self.table = table
         self.tokens = derived_name(table, "tokens")
+        # Where the sweep of purge batches has got to: the latest expiry the last full batch
+        # took. The next batch starts its walk of the expires_at index there instead of
+        # going again over the entries of the records just deleted (they stay in the index
+        # until vacuum, or InnoDB's purge, removes them, which makes every batch of a long
+        # purge slower than the one before). It only narrows what a batch may delete; what
+        # it passes over (a record locked, or leased, at the time) the next sweep takes.
+        self.purge_resume: datetime | None = None
 
     # -- what differs per database -------------------------------------------------------
     def db_time(self, value: datetime) -> Any:
@@ -312,10 +321,16 @@ class SqlDialect:
             f"expires_at <= {before} AND (state <> 'in_progress' OR lease_expires_at <= {before})"
         )
 
+    @cached_property
+    def purgeable(self) -> str:
+        """`expired`, among the records the current sweep of purge batches has not passed."""
+        return f"{self.expired} AND expires_at >= {self.cast_time('resume')}"
+
     def purge_params(self, before: datetime | None, limit: int) -> dict[str, Any]:
         if before is None and not self.server_clock:
             before = _clock.host_now()
-        return {"before": self.time_value(before), "limit": int(limit)}
+        resume = self.db_time(self.purge_resume or _OLDEST)
+        return {"before": self.time_value(before), "limit": int(limit), "resume": resume}
 
     def record(self, row: tuple[Any, ...], asked: Scope | None = None) -> Record:
         """The record a row holds; `CorruptRecordError` if it holds something no store
@@ -391,22 +406,35 @@ class SqlDialect:
         rows = yield Statement(self.select_sql, self.scope_params(scope))
         return self.record(rows[0], scope) if rows else None
 
-    # Rows a takeover in progress has locked are being made live: skip them, never wait.
-    purge_lock = " FOR UPDATE SKIP LOCKED"
-
     def purge(self, before: datetime | None, limit: int) -> SqlGen[int]:
-        # Bounded batches keep each delete short. The outer WHERE states the conditions
-        # again: PostgreSQL (READ COMMITTED) re-checks only the outer clause on a row version
-        # a takeover wrote after the subquery picked the row, and that clause must then
-        # spare the fresh record (issue 10, #1).
+        """Delete up to ``limit`` expired records, one batch (two at the end of a sweep)."""
+        resumed = self.purge_resume is not None
+        count, latest = yield from self.purge_batch(self.purge_params(before, limit))
+        if count < limit and resumed:
+            # The sweep is over. What expired behind it (a shorter retention, a record that
+            # was locked or leased as the sweep passed) is looked for from the oldest at once,
+            # so that batches until a short one still leave nothing purgeable behind.
+            self.purge_resume = None
+            more, latest = yield from self.purge_batch(self.purge_params(before, limit - count))
+            count += more
+        self.purge_resume = None if count < limit or latest is None else self.py_time(latest)
+        return count
+
+    def purge_batch(self, params: dict[str, Any]) -> SqlGen[tuple[int, Any]]:
+        """One bounded delete: how many records it took, and the latest expiry among them
+        (a database value; None for none)."""
+        # The outer WHERE states the conditions again, for a store whose subquery and delete
+        # could see different row versions; SQLite, the store this serves, has one writer at
+        # a time, so nothing races it there.
         rows = yield Statement(
             f"DELETE FROM {self.table} WHERE (principal, operation, idem_key) IN ("
             f" SELECT principal, operation, idem_key FROM {self.table}"
-            f" WHERE {self.expired} LIMIT :limit{self.purge_lock}) AND {self.expired}"
-            " RETURNING 1",
-            self.purge_params(before, limit),
+            f" WHERE {self.purgeable} ORDER BY expires_at LIMIT :limit) AND {self.expired}"
+            " RETURNING expires_at",
+            params,
         )
-        return len(rows or ())
+        expiries = [row[0] for row in rows or ()]
+        return len(expiries), max(expiries, default=None)
 
     def evict(self, scope: Scope) -> SqlGen[bool]:
         rows = yield Statement(

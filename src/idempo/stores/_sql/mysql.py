@@ -265,19 +265,18 @@ class MySQLDialect(SqlDialect):
     def select_sql(self) -> str:
         return f"SELECT {COLUMNS} FROM {self.table} WHERE {_WHERE_SCOPE}"
 
-    def purge(self, before: datetime | None, limit: int) -> SqlGen[int]:
+    def purge_batch(self, params: dict[str, Any]) -> SqlGen[tuple[int, Any]]:
         # Oldest first along the expires_at index; a live lease is never purged. Rows another
         # transaction holds (a takeover under way) are skipped, not waited for; the DELETE
         # states the conditions again and reads each row under its lock, so a row taken over
         # between the two statements is spared.
-        params = self.purge_params(before, limit)
         rows = yield Statement(
-            f"SELECT scope_hash FROM {self.table} WHERE {self.expired}"
+            f"SELECT scope_hash, expires_at FROM {self.table} WHERE {self.purgeable}"
             " ORDER BY expires_at, scope_hash LIMIT :limit FOR UPDATE SKIP LOCKED",
             params,
         )
         if not rows:
-            return 0
+            return 0, None
         # Parameter names are letters only (see _sql.pyformat): h_a, h_b, ..., h_ba, ...
         names = ["h_" + "".join(chr(97 + int(d)) for d in str(i)) for i in range(len(rows))]
         params.update(zip(names, (row[0] for row in rows), strict=True))
@@ -291,7 +290,8 @@ class MySQLDialect(SqlDialect):
             fetch=False,
         )
         counted = yield Statement(ROW_COUNT, {})
-        return int(counted[0][0]) if counted else 0
+        # The latest expiry picked, deleted or spared: the sweep has passed it either way.
+        return (int(counted[0][0]) if counted else 0), max(row[1] for row in rows)
 
     def evict(self, scope: Scope) -> SqlGen[bool]:
         rows = yield Statement(

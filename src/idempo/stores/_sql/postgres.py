@@ -146,3 +146,27 @@ class PostgresDialect(SqlDialect):
 
     def settle(self, op: Settle) -> SqlGen[None]:
         yield Statement(self.settle_sql, self.settle_params(op), fetch=False)
+
+    @cached_property
+    def purge_sql(self) -> str:
+        # The subquery walks the expires_at index oldest first, from where the sweep is, and
+        # locks what it picks, skipping rows a takeover holds (they are being made live).
+        # The delete then finds the picked row versions by their physical address, a TID
+        # scan, so neither plan (custom, or the generic one a prepared statement ends up
+        # with) can turn the batch into a scan or a join. A picked row stays locked until
+        # the statement ends, so nothing rewrites it in between; the outer WHERE states the
+        # conditions again all the same, because READ COMMITTED re-checks only that clause on
+        # a row version written after the statement's snapshot (issue 10, #1).
+        # One row comes back, the count and the latest expiry, not a row per record.
+        return (
+            f"WITH gone AS (DELETE FROM {self.table} WHERE ctid = ANY(ARRAY("
+            f"SELECT ctid FROM {self.table} WHERE {self.purgeable}"
+            " ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED))"
+            f" AND {self.expired} RETURNING expires_at)"
+            " SELECT count(*), max(expires_at) FROM gone"
+        )
+
+    def purge_batch(self, params: dict[str, Any]) -> SqlGen[tuple[int, Any]]:
+        rows = yield Statement(self.purge_sql, params)
+        count, latest = rows[0] if rows else (0, None)
+        return int(count), latest

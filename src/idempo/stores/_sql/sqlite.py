@@ -24,7 +24,6 @@ class SQLiteDialect(SqlDialect):
 
     name = "sqlite"
     greatest = "max"
-    purge_lock = ""  # one writer at a time: nothing to race with
 
     def db_time(self, value: datetime) -> Any:
         return (value - _EPOCH) // timedelta(microseconds=1)
