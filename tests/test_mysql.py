@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pymysql
@@ -488,3 +488,39 @@ def test_a_guarded_transaction_costs_four_round_trips_more_than_the_bare_one(
     finally:
         conn.close()
     assert costs == [6, 2]
+
+
+def test_a_held_reservation_delays_no_reservation_of_another_key(
+    mysql_database: Database,
+) -> None:
+    """A takeover in transactional mode keeps its record's row lock until the app's
+    transaction ends; fresh reservations of other keys made meanwhile do not wait on it,
+    wherever their hashes fall beside its own. (With the hash a secondary unique index,
+    InnoDB locked the gap before the held record as well, and they timed out as in progress:
+    see decisions.md, "Purge at scale".)"""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    store = mysql_database.store(pool_size=2)
+    conn = mysql_database.connect(store)
+    try:
+        held = Scope.of("held", operation=OPERATION)
+        old = store.reserve(held, "fp", now=start, lease=timedelta(seconds=1), ttl=timedelta(0))
+        assert isinstance(old, Acquired), old
+        store.complete(held, old.token, b"old", now=start, ttl=timedelta(seconds=1))
+        later = start + timedelta(hours=1)
+        unit = store.bind(conn, mode="transactional")
+        taken = unit.reserve(held, "fp", now=later, lease=timedelta(hours=1), ttl=timedelta(0))
+        assert isinstance(taken, Acquired), taken
+        for i in range(60):
+            fresh = store.reserve(
+                Scope.of(f"other-{i}", operation=OPERATION),
+                "fp",
+                now=later,
+                lease=timedelta(hours=1),
+                ttl=timedelta(0),
+                lock_timeout=timedelta(seconds=1),
+            )
+            assert isinstance(fresh, Acquired), (i, fresh)
+    finally:
+        conn.rollback()
+        conn.close()
+        store.close()
