@@ -27,6 +27,7 @@ from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.mysql import AsyncMySQLStore, MySQLStore, connect_options
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.redis import AsyncRedisStore, RedisStore
+from idempo.stores.redis._protocol import TokenClock
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idempo.testing import FakeClock
 from redis_servers import installed, redis_cluster
@@ -398,3 +399,14 @@ def anyio_backend() -> str:
 def clock() -> FakeClock:
     """A clock that moves only when the test says so."""
     return FakeClock(datetime(2026, 1, 1, tzinfo=UTC))
+
+
+@pytest.fixture(autouse=True)
+def _token_clock_of_its_own() -> Iterator[None]:
+    """Each test starts with this process's Redis token clock as it found it: a test that
+    crafts a record with a token far ahead of Redis's clock (test_redis_protocol) would
+    otherwise push every later fresh token in the process past it, and a later test that
+    compares this process's tokens with a child process's would see them out of order."""
+    saved = TokenClock._last
+    yield
+    TokenClock._last = saved
