@@ -44,9 +44,10 @@ services: $(STAMP)
 pytest: $(STAMP)
 	IDEMPO_TEST_REQUIRE_ALL=1 $(BIN)/python -m pytest
 
+# Every family of benchmarks, then one table of each path against its goal (bench/floor.py).
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet --group bench -e .
-	$(BIN)/python bench/postgres_tx.py
+	$(BIN)/python bench/floor.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -46,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _measure import callgrind_count
+from _report import report as report_row
 from asgi_middleware import BODY, build_app, migrate  # the real bench's app, not a copy
 
 KINDS = {"bare": "bare", "memory": "idempo_memory", "sqlite": "idempo_sqlite"}
@@ -253,6 +254,33 @@ def instructions(names: list[str], small: int, large: int, loop: str) -> None:
             base = per
         extra = f"{per - base:>11.0f}" if base is not None and name != "bare" else ""
         print(f"{name:<16}{per:>11.0f}{extra}", flush=True)
+        if base is not None and name != "bare":
+            report_instructions(name, per, base)
+
+
+# Issue 15's goals, in instructions against the bare endpoint's: a replay costs at most the
+# endpoint itself; a fresh request's overhead (over the endpoint) at most this share of it.
+_REPLAY_GOAL = 1.0
+_OVERHEAD_GOALS = {"memory": 0.5, "sqlite": 2.0}
+
+
+def report_instructions(name: str, per: float, base: float) -> None:
+    if name.endswith("_replay"):
+        report_row(
+            "asgi",
+            f"{name}: instructions / bare endpoint's",
+            per / base,
+            _REPLAY_GOAL,
+            lower_is_better=True,
+        )
+    else:
+        report_row(
+            "asgi",
+            f"{name}: overhead instructions / bare endpoint's",
+            (per - base) / base,
+            _OVERHEAD_GOALS.get(name),
+            lower_is_better=True,
+        )
 
 
 def run_loop(coro: Any, loop: str) -> Any:

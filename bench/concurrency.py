@@ -7,9 +7,10 @@ flat, never drop (issue 15's "no drop past saturation").
 Each level runs ``clients`` threads spread over up to ``--processes`` worker processes (so
 the GIL of one process is not what saturates), all starting together; each thread makes
 fresh-key calls of ``Idempotency(store).once`` around a trivial body for ``--seconds``.
-Every process has one store (one connection pool, sized for its threads). Prints calls/s per
-level and each level's ratio to the best level below it: past saturation the ratio should
-stay near 1.0.
+Every process has one store (one connection pool, sized for its threads), and the same load
+runs by hand (reserve, then record the result: two plain commands) as the baseline. Prints
+calls/s per level, idempo's ratio to the baseline, and idempo's ratio to its best level
+below: past saturation that should stay near 1.0, unless the baseline drops as well.
 """
 
 from __future__ import annotations
@@ -26,7 +27,48 @@ REDIS = "redis://127.0.0.1:6379/0"
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _open(kind: str, threads: int, place: str) -> Any:
+def _caller(kind: str, how: str, threads: int, place: str) -> tuple[Any, Any]:
+    """``(call(key), close())`` for one process: idempo's guard on the store, or the
+    hand-written minimum on the same server (reserve, then record the result)."""
+    if how == "idempo":
+        from idempo import Idempotency
+
+        store = _store(kind, threads, place)
+        idem = Idempotency(store)
+
+        def guarded(key: str) -> None:
+            with idem.once(key, operation="bench") as attempt:
+                attempt.result = 1
+
+        return guarded, store.close
+    if kind == "postgres":
+        from psycopg_pool import ConnectionPool
+
+        pool = ConnectionPool(
+            POSTGRES, min_size=1, max_size=threads, open=True, kwargs={"autocommit": True}
+        )
+        table = f"{place}.minimum"
+
+        def by_hand(key: str) -> None:
+            with pool.connection() as conn:
+                conn.execute(
+                    f"INSERT INTO {table} VALUES (%s, 'in_progress') ON CONFLICT DO NOTHING", (key,)
+                )
+                conn.execute(f"UPDATE {table} SET state = 'completed' WHERE k = %s", (key,))
+
+        return by_hand, pool.close
+    import redis
+
+    client = redis.Redis.from_url(REDIS, max_connections=threads)
+
+    def minimum(key: str) -> None:
+        client.set(f"{place}:{key}", b"in_progress", nx=True, px=30_000)
+        client.set(f"{place}:{key}", b"completed", px=86_400_000)
+
+    return minimum, client.close
+
+
+def _store(kind: str, threads: int, place: str) -> Any:
     if kind == "postgres":
         from idempo.stores.postgres import PostgresStore
 
@@ -36,24 +78,21 @@ def _open(kind: str, threads: int, place: str) -> Any:
     return RedisStore(REDIS, prefix=place, max_connections=threads)
 
 
-def _worker(kind: str, place: str, threads: int, ready: Any, seconds: float, results: Any) -> None:
-    from idempo import Idempotency
-
-    store = _open(kind, threads, place)
-    idem = Idempotency(store)
+def _worker(
+    kind: str, how: str, place: str, threads: int, ready: Any, seconds: float, results: Any
+) -> None:
+    call, close = _caller(kind, how, threads, place)
     counts = [0] * threads
     tag = secrets.token_hex(4)
     started = threading.Barrier(threads + 1)
 
     def run(slot: int) -> None:
-        with idem.once(f"{tag}-{slot}-warm", operation="bench") as attempt:
-            attempt.result = 0  # connected and warm before the start
+        call(f"{tag}-{slot}-warm")  # connected and warm before the start
         started.wait()
         deadline = time.monotonic() + seconds
         n = 0
         while time.monotonic() < deadline:
-            with idem.once(f"{tag}-{slot}-{n}", operation="bench") as attempt:
-                attempt.result = n
+            call(f"{tag}-{slot}-{n}")
             n += 1
         counts[slot] = n
 
@@ -64,17 +103,17 @@ def _worker(kind: str, place: str, threads: int, ready: Any, seconds: float, res
     started.wait()
     for thread in pool:
         thread.join()
-    store.close()
+    close()
     results.put(sum(counts))
 
 
-def _level(kind: str, place: str, clients: int, processes: int, seconds: float) -> float:
+def _level(kind: str, how: str, place: str, clients: int, processes: int, seconds: float) -> float:
     procs = min(clients, processes)
     spread = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
     context = mp.get_context("spawn")
     ready, results = context.Barrier(procs), context.Queue()
     workers = [
-        context.Process(target=_worker, args=(kind, place, n, ready, seconds, results))
+        context.Process(target=_worker, args=(kind, how, place, n, ready, seconds, results))
         for n in spread
     ]
     for worker in workers:
@@ -95,6 +134,7 @@ def _prepare(kind: str) -> tuple[str, Any]:
 
         with psycopg.connect(POSTGRES, autocommit=True) as conn:
             conn.execute(f"CREATE SCHEMA {place}")
+            conn.execute(f"CREATE TABLE {place}.minimum (k text PRIMARY KEY, state text NOT NULL)")
         store = PostgresStore(POSTGRES, table=f"{place}.idempo_records")
         store.migrate()
         store.close()
@@ -136,11 +176,19 @@ def main() -> None:
         place, clean = _prepare(kind)
         try:
             print(f"{kind}: fresh calls/s by concurrent clients ({args.seconds:g} s each)")
+            print(f"  {'clients':>7}{'idempo':>10}{'minimum':>10}{'ratio':>8}  idempo / best below")
             best = 0.0
             for clients in LEVELS:
-                rate = _level(kind, place, clients, args.processes, args.seconds)
-                ratio = f"{rate / best:5.2f}x the best below" if best else ""
-                print(f"  {clients:>3} clients {rate:>9.0f} calls/s  {ratio}")
+                rates = {
+                    how: _level(kind, how, place, clients, args.processes, args.seconds)
+                    for how in ("idempo", "minimum")
+                }
+                rate = rates["idempo"]
+                drop = f"{rate / best:.2f}" if best else "-"
+                print(
+                    f"  {clients:>7}{rate:>10.0f}{rates['minimum']:>10.0f}"
+                    f"{rate / rates['minimum']:>8.2f}  {drop}"
+                )
                 best = max(best, rate)
         finally:
             clean()

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg.types.json import Jsonb
 
+from _report import report
 from _roundtrips import RoundTripProxy
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -481,12 +482,24 @@ def print_table(results: dict[str, Result]) -> None:
         )
 
 
+# Issue 15's goals for the ratios that have one.
+GOALS = {
+    ("idempo", "bare"): 0.65,
+    ("idempo_store_replay", "bare_select"): 0.8,
+    ("idempo", "idemkit"): 1.0,
+    ("idempo_replay", "idemkit_replay"): 1.0,
+}
+
+
 def print_ratios(results: dict[str, Result]) -> None:
     print("\nratios of median ops/s (same run):")
     for top, bottom in RATIOS:
         label = f"{top} / {bottom}"
         if top in results and bottom in results:
-            print(f"  {label:<40}{results[top].median / results[bottom].median:>7.2f}")
+            ratio = results[top].median / results[bottom].median
+            goal = GOALS.get((top, bottom))
+            report("postgres", label, ratio, goal, round_trips=results[top].round_trips)
+            print(f"  {label:<40}{ratio:>7.2f}")
         else:
             print(f"  {label:<40}{'n/a':>7}")
 

@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from _report import report
 from idempo import Idempotency, Policy
 from idempo.stores.memory import MemoryStore
 
@@ -75,6 +76,14 @@ def main() -> None:
         print(f"  {name:<8} median {median * 1000:7.2f} ms   p95 {p95 * 1000:7.2f} ms")
     ratio = statistics.median(samples["polling"]) / statistics.median(samples["woken"])
     print(f"  polling / woken (median): {ratio:.0f}x")
+    report(
+        "wake",
+        "memory store: settle -> replay of a waiting duplicate, ms (median)",
+        statistics.median(samples["woken"]) * 1000,
+        None,
+        unit="ms",
+        lower_is_better=True,
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""`make bench`: every benchmark family in one run, and one table of each path against the
+goal issue 15 sets for it (docs/benchmarks.md, "distance to the floor").
+
+    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,wake]
+
+Each family runs in a process of its own (bench/<script>.py, ``--quick`` unless ``--full``)
+and prints its own tables as it goes; each reports its paths to this run's table
+(bench/_report.py). ``asgi`` counts instructions under valgrind, which the machine's load
+does not move; the others are ratios of calls/s measured in the same run, so read them on a
+quiet machine. A family that cannot run (a server down, valgrind missing) is said so and the
+rest go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FAMILIES: dict[str, list[str]] = {
+    "redis": ["redis_store.py"],
+    "postgres": ["postgres_tx.py"],
+    "asgi": ["asgi_overhead.py", "--instructions", "--loop", "asyncio"],
+    "wake": ["wake_latency.py"],
+}
+QUICK = {"redis", "postgres"}  # the families whose scripts take --quick
+
+
+def run_family(name: str, full: bool, report: Path) -> int:
+    command = [sys.executable, str(HERE / FAMILIES[name][0]), *FAMILIES[name][1:]]
+    if name in QUICK and not full:
+        command.append("--quick")
+    print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
+    env = {**os.environ, "IDEMPO_BENCH_REPORT": str(report)}
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def verdict(row: dict[str, object]) -> str:
+    goal, value = row["goal"], row["value"]
+    if not isinstance(goal, int | float) or not isinstance(value, int | float):
+        return ""
+    met = value <= goal if row["lower_is_better"] else value >= goal
+    return "met" if met else "MISSED"
+
+
+def print_table(rows: list[dict[str, object]], failed: list[str]) -> None:
+    print("\n=== distance to the floor (issue 15's goals)")
+    print(f"{'family':<9}{'path':<62}{'measured':>10}{'goal':>9}  {'':<7}{'round trips':>11}")
+    for row in rows:
+        goal = row["goal"]
+        op = "<=" if row["lower_is_better"] else ">="
+        goal_text = f"{op} {goal:g}" if isinstance(goal, int | float) else "-"
+        trips = row["round_trips"]
+        trips_text = f"{trips:.2f}" if isinstance(trips, int | float) else "-"
+        value = row["value"]
+        assert isinstance(value, int | float)
+        print(
+            f"{row['family']!s:<9}{row['path']!s:<62}{value:>9.2f}{row['unit']!s:<1}"
+            f"{goal_text:>9}  {verdict(row):<7}{trips_text:>11}"
+        )
+    for name in failed:
+        print(f"{name:<9}did not run to its end (see its output above)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--full", action="store_true", help="each family's long run")
+    parser.add_argument("--only", default=",".join(FAMILIES), help="families, comma-separated")
+    args = parser.parse_args()
+    names = [name for name in args.only.split(",") if name]
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"unknown families: {', '.join(unknown)} (known: {', '.join(FAMILIES)})")
+    with tempfile.TemporaryDirectory(prefix="idempo-bench-") as tmp:
+        report = Path(tmp) / "rows.jsonl"
+        report.touch()
+        failed = [name for name in names if run_family(name, args.full, report) != 0]
+        rows = [json.loads(line) for line in report.read_text().splitlines()]
+    print_table(rows, failed)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
