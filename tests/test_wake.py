@@ -1,5 +1,6 @@
 """A duplicate told to wait (``Policy.wait``) is woken when the first attempt ends, on a store
-that can say so (``wait_settled``: the memory store), instead of polling every 50 ms.
+that can say so (``wait_settled``: the memory store, Redis by pub/sub), instead of polling
+every 50 ms.
 
 Shown by counting reservations: a waiter that was woken asks the store twice (once to find
 the key in progress, once to replay), however long the first attempt ran; one that polls
@@ -13,7 +14,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -22,21 +23,55 @@ import pytest
 
 from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.stores.redis import AsyncRedisStore, RedisStore
 
 DEADLINE = 20.0  # seconds any wait for another thread may take before the test fails
 HOLD = 0.4  # seconds the first attempt runs: eight polls' worth
 
 
-class CountingStore(MemoryStore):
-    """A memory store that counts reservations."""
+class Counting:
+    """Counts a store's reservations."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.reservations = 0
+    reservations = 0
 
     def reserve(self, *args: Any, **kwargs: Any) -> Any:
         self.reservations += 1
-        return super().reserve(*args, **kwargs)
+        return super().reserve(*args, **kwargs)  # type: ignore[misc]
+
+
+class CountingStore(Counting, MemoryStore):
+    """A memory store that counts reservations."""
+
+
+class CountingRedisStore(Counting, RedisStore):
+    """A Redis store that counts reservations."""
+
+
+class CountingAsyncRedisStore(AsyncRedisStore):
+    """An async Redis store that counts reservations."""
+
+    reservations = 0
+
+    async def reserve(self, *args: Any, **kwargs: Any) -> Any:
+        self.reservations += 1
+        return await super().reserve(*args, **kwargs)
+
+
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+def counted(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A store that counts its reservations: the memory store, or Redis, a server or the
+    private cluster (a prefix of the test's own)."""
+    if request.param == "memory":
+        yield CountingStore()
+        return
+    where = "redis_cluster" if request.param == "redis-cluster" else "redis"
+    url = request.getfixturevalue(f"{where}_url")
+    prefix = request.getfixturevalue(f"{where}_prefix")
+    store = CountingRedisStore(url, prefix=prefix)
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 class Polling:
@@ -58,7 +93,7 @@ def until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.001)
 
 
-def first_and_waiter(store: Any, counted: CountingStore, *, settle: str) -> tuple[Any, int]:
+def first_and_waiter(store: Any, counted: Counting, *, settle: str) -> tuple[Any, int]:
     """A first attempt holds the key for `HOLD` s (then completes, fails or releases) while
     a duplicate waits; returns what the duplicate got and the reservations it made."""
     idem = Idempotency(store, Policy(wait=timedelta(seconds=DEADLINE), fail_on=(LookupError,)))
@@ -98,18 +133,19 @@ def first_and_waiter(store: Any, counted: CountingStore, *, settle: str) -> tupl
 
 
 @pytest.mark.parametrize("settle", ["complete", "fail", "release"])
-def test_a_waiting_duplicate_is_woken_when_the_first_attempt_ends(settle: str) -> None:
-    store = CountingStore()
-    got, reservations = first_and_waiter(store, store, settle=settle)
+def test_a_waiting_duplicate_is_woken_when_the_first_attempt_ends(
+    counted: Any, settle: str
+) -> None:
+    got, reservations = first_and_waiter(counted, counted, settle=settle)
     expected = {"complete": "charged", "fail": "ReplayedFailureError", "release": "ran again"}
     assert got == expected[settle]
     assert reservations == 2  # in progress, then the outcome: no polls in between
-    assert store._waiting == {}
+    assert getattr(counted, "_waiting", {}) == {}
 
 
-def test_a_store_that_cannot_wake_is_polled() -> None:
+def test_a_store_that_cannot_wake_is_polled(counted: Any) -> None:
     """The control: the same run through a store without ``wait_settled`` polls."""
-    store = CountingStore()
+    store = counted
     got, reservations = first_and_waiter(Polling(store), store, settle="complete")
     assert got == "charged"
     assert reservations > 4  # HOLD is eight 50 ms polls; a loaded machine makes fewer
@@ -154,12 +190,11 @@ def test_wait_settled_returns_at_once_for_a_record_not_in_progress() -> None:
     assert store._waiting == {}
 
 
-@pytest.mark.anyio
-async def test_an_async_waiter_is_woken_by_a_sync_guard_in_another_thread() -> None:
-    """One memory store, two faces: a thread's sync guard settles, the loop's waiter wakes."""
-    counted = CountingStore()
-    sync = Idempotency(counted)
-    waiter = AsyncIdempotency(AsyncMemoryStore(counted), Policy(wait=timedelta(seconds=DEADLINE)))
+async def async_waiter_is_woken(sync_store: Any, async_store: Any, counted: Any) -> None:
+    """A thread's sync guard on ``sync_store`` holds a key, then completes it; an async
+    duplicate on ``async_store`` waits, and replays after two reservations (``counted``'s)."""
+    sync = Idempotency(sync_store)
+    waiter = AsyncIdempotency(async_store, Policy(wait=timedelta(seconds=DEADLINE)))
     entered, go = threading.Event(), threading.Event()
 
     def first() -> None:
@@ -178,11 +213,33 @@ async def test_an_async_waiter_is_woken_by_a_sync_guard_in_another_thread() -> N
         async with waiter.once("k-1", operation="charge") as attempt:
             assert attempt.replayed
             assert attempt.result == "charged"
-        assert counted.reservations - before == 2
+        assert counted.reservations - before == 2  # in progress, then the replay: no polls
     finally:
         go.set()
         thread.join(DEADLINE)
+
+
+@pytest.mark.anyio
+async def test_an_async_waiter_is_woken_by_a_sync_guard_in_another_thread() -> None:
+    """One memory store, two faces: a thread's sync guard settles, the loop's waiter wakes."""
+    counted = CountingStore()
+    await async_waiter_is_woken(counted, AsyncMemoryStore(counted), counted)
     assert counted._waiting == {}
+
+
+@pytest.mark.anyio
+async def test_an_async_redis_waiter_is_woken_by_a_settle_from_another_store(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """Two stores on one Redis (two processes, as far as Redis can tell): the first settles
+    on its own connection, and the waiter, subscribed on another, replays at once."""
+    settling = RedisStore(redis_url, prefix=redis_prefix)
+    waiting = CountingAsyncRedisStore(redis_url, prefix=redis_prefix)
+    try:
+        await async_waiter_is_woken(settling, waiting, waiting)
+    finally:
+        settling.close()
+        await waiting.aclose()
 
 
 @pytest.mark.anyio

@@ -75,6 +75,10 @@ past it); any other Redis error raises `StoreError`. A record of the previous la
 is converted in place the first time a reserve, get or evict reads it. Redis is a *leased*
 store only: the business writes and the record never commit together, so it has no ``bind``.
 
+**Waiting.** The settle and release scripts publish on the record's key name, and
+`wait_settled` (what a duplicate told to wait, ``Policy.wait``, calls) subscribes to it
+before it reads the record: the duplicate replays as soon as the first attempt settles.
+
 `stats` counts records per state with a SCAN over the prefix: fine for tests and the CLI,
 not for a hot path on a large keyspace.
 

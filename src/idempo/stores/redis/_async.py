@@ -23,6 +23,7 @@ from ._errors import ERRORS, translated, translating
 from ._ops import Batch, Call, Command, Place, Run
 from ._protocol import Keys, wrong_type
 from ._scripts import SCRIPTS
+from ._sync import _confirmed
 
 T = TypeVar("T")
 
@@ -196,6 +197,27 @@ class AsyncRedisStore:
 
     async def get(self, scope: Scope) -> Record | None:
         return await self._drive(_ops.get(self._keys, scope))
+
+    async def wait_settled(self, scope: Scope, seconds: float) -> None:
+        """`RedisStore.wait_settled`, on this store's event loop."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        pubsub = self.client.pubsub()
+        try:
+            await pubsub.subscribe(self._keys.key(scope))
+            if not _confirmed(await pubsub.get_message(timeout=seconds)):
+                return
+            record = await self.get(scope)
+            if record is None or record.status is not Status.IN_PROGRESS:
+                return
+            while (left := deadline - loop.time()) > 0:
+                message = await pubsub.get_message(timeout=left)
+                if message is not None and message["type"] == "message":
+                    return
+        except Exception:  # noqa: BLE001 - a failure only ends the wait (see the sync face)
+            return
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def evict(self, scope: Scope) -> bool:
         return await self._drive(_ops.evict(self._keys, scope))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -144,6 +145,30 @@ class RedisStore:
     def evict(self, scope: Scope) -> bool:
         return self._drive(_ops.evict(self._keys, scope))
 
+    def wait_settled(self, scope: Scope, seconds: float) -> None:
+        """Return once the record of ``scope`` is no longer in progress, or ``seconds``
+        later: a duplicate told to wait (``Policy.wait``) reserves again as soon as the
+        first attempt settles or releases (their scripts publish on the record's key name)
+        instead of polling. Subscribed before the record is read, so no settle falls in
+        between. Any failure only ends the wait: the reservation that follows meets it."""
+        deadline = time.monotonic() + seconds
+        pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
+        try:
+            pubsub.subscribe(self._keys.key(scope))
+            if not _confirmed(pubsub.get_message(timeout=seconds)):
+                return
+            record = self.get(scope)
+            if record is None or record.status is not Status.IN_PROGRESS:
+                return
+            while (left := deadline - time.monotonic()) > 0:
+                message = pubsub.get_message(timeout=left)
+                if message is not None and message["type"] == "message":
+                    return
+        except Exception:  # noqa: BLE001 - see the docstring
+            return
+        finally:
+            pubsub.close()
+
     def purge(self, *, before: datetime | None = None, limit: int = 1000) -> int:
         return self._drive(_ops.purge(self._keys, self._place, before, limit, self._cluster))
 
@@ -174,3 +199,9 @@ class RedisStore:
                 for node in self.client.get_nodes():  # type: ignore[no-untyped-call]
                     if node.redis_connection is not None:
                         node.redis_connection.connection_pool.disconnect()
+
+
+def _confirmed(message: Any) -> bool:
+    """Whether ``message`` is the server's confirmation of a subscription (from then on, no
+    publication on the channel is missed)."""
+    return isinstance(message, dict) and message.get("type") in ("subscribe", b"subscribe")

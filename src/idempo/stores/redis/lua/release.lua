@@ -11,4 +11,5 @@ local at = 3
 if ARGV[1] == 'n' then at = 43 end
 if string.sub(v, at, at + 7) ~= ARGV[2] or string.sub(v, 53, 54) ~= '\0\0' then return 0 end
 redis.call('SET', KEYS[1], tombstone(v), 'KEEPTTL')
+redis.call('PUBLISH', KEYS[1], '') -- for a duplicate waiting on it (`wait_settled`)
 return 1

@@ -45,4 +45,6 @@ if grows or (clk == 103) ~= given then
 else
   redis.call('SET', key, value, 'KEEPTTL')
 end
+-- A duplicate waiting for this record (`wait_settled`) listens on its key's name.
+redis.call('PUBLISH', key, '')
 return ea
