@@ -18,6 +18,7 @@ from .._scan import ScanFilter
 from . import _ops
 from ._connect import connect
 from ._errors import ERRORS, translated
+from ._lane import lane_for
 from ._ops import Batch, Call, Command, Place, Run
 from ._protocol import Keys, wrong_type
 from ._scripts import SCRIPTS
@@ -61,6 +62,7 @@ class RedisStore:
         self._cluster = isinstance(built, redis.cluster.RedisCluster)
         self._scripts = {name: built.register_script(text) for name, text in SCRIPTS.items()}
         self._place = Place()
+        self._lane = lane_for(built, self._owned)
 
     def _drive(self, flow: Generator[Call, Any, T]) -> T:
         """Carry out the calls ``flow`` yields; its result."""
@@ -82,6 +84,8 @@ class RedisStore:
         if isinstance(call, Run):
             return self._evalsha(call)
         if isinstance(call, Command):
+            if call.name == "execute_command" and self._lane is not None:
+                return self._lane.call(*call.args)  # the reservation's SET: its reply is raw
             return getattr(self.client, call.name)(*call.args, **call.options)
         if isinstance(call, Batch):
             pipe = self.client.pipeline(transaction=False)
@@ -98,10 +102,9 @@ class RedisStore:
         """``run`` as one EVALSHA (redis-py's Script adds argument checks the hot path pays
         for); a server that lost the script gets it again."""
         script = self._scripts[run.script]
+        send = self.client.execute_command if self._lane is None else self._lane.call
         try:
-            return self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", script.sha, len(run.keys), *run.keys, *run.args
-            )
+            return send("EVALSHA", script.sha, len(run.keys), *run.keys, *run.args)
         except redis.exceptions.NoScriptError:
             return script(keys=run.keys, args=run.args)  # loads it, then runs it
 
@@ -191,6 +194,8 @@ class RedisStore:
         return self._drive(_ops.scan(self._keys, where, self._cluster))
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         if self._owned:
             self.client.close()
             if isinstance(self.client, redis.cluster.RedisCluster):

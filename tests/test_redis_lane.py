@@ -1,0 +1,138 @@
+"""The store's own client sends its hot commands on connections it keeps (`_lane.Lane`):
+shared by threads, safe across a fork, never handing a half-read reply to the next caller,
+re-sending once on a broken connection; an app's client carries every command itself."""
+
+from __future__ import annotations
+
+import multiprocessing
+import secrets
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+
+from idempo import Idempotency
+from idempo._core.keys import Scope
+from idempo._core.record import Acquired
+from idempo.stores.redis import RedisStore
+
+pytestmark = pytest.mark.redis
+
+LEASE, TTL = timedelta(seconds=30), timedelta(minutes=5)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Any:
+    prefix = f"lane-{secrets.token_hex(4)}"
+    store = RedisStore(redis_url, prefix=prefix)
+    yield store
+    store.close()
+    with redis.Redis.from_url(redis_url) as client:
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
+
+
+def reserve(store: RedisStore, key: str) -> Any:
+    return store.reserve(Scope("", "pay", key), "fp", now=None, lease=LEASE, ttl=TTL)
+
+
+def test_threads_share_the_kept_connections_and_every_call_is_answered(store: Any) -> None:
+    idem = Idempotency(store)
+    runs: list[str] = []
+    lock = threading.Lock()
+
+    def work(key: str) -> str:
+        with idem.once(key, operation="pay") as attempt:
+            if not attempt.replayed:
+                with lock:
+                    runs.append(key)
+                attempt.result = key
+        return str(attempt.result)
+
+    def caller(n: int) -> None:
+        for i in range(40):
+            key = f"k{n}-{i % 5}"  # each key run once, then replayed
+            assert work(key) == key
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(runs) == sorted(f"k{n}-{i}" for n in range(8) for i in range(5))
+    assert 1 <= len(store._lane._idle) <= 8  # one per caller at most, kept for the next
+
+
+def test_a_connection_killed_between_calls_is_sent_again(store: Any, redis_url: str) -> None:
+    reserve(store, "a")
+    (conn,) = store._lane._idle
+    with redis.Redis.from_url(redis_url) as admin:
+        conn.send_command("CLIENT", "ID")
+        mine = conn.read_response()
+        assert admin.client_kill_filter(_id=mine) == 1
+    assert reserve(store, "b").token > 0  # the broken socket is found, reconnected, re-sent
+
+
+def test_an_interrupted_read_never_reaches_the_next_caller(store: Any) -> None:
+    reserve(store, "a")
+    (conn,) = store._lane._idle
+    real = conn.read_response
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        conn.read_response = real
+        raise KeyboardInterrupt  # the reply is left unread on the socket
+
+    conn.read_response = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        reserve(store, "b")
+    # The SET of "b" ran. The connection was dropped, so asking for "b" again reads the
+    # answer to this ask (the record in progress), not the first one's ("created").
+    assert not isinstance(reserve(store, "b"), Acquired)
+    assert isinstance(reserve(store, "c"), Acquired)
+
+
+def _child(store: Any, out: Any) -> None:
+    try:
+        reserve(store, "child")
+        (conn,) = store._lane._idle
+        conn.send_command("CLIENT", "ID")
+        out.put(conn.read_response())
+    except BaseException as exc:  # reported to the parent
+        out.put(repr(exc))
+
+
+def test_after_a_fork_the_child_uses_connections_of_its_own(store: Any) -> None:
+    reserve(store, "parent")
+    (conn,) = store._lane._idle
+    conn.send_command("CLIENT", "ID")
+    parent_id = conn.read_response()
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_child, args=(store, out))
+    child.start()
+    child_id = out.get(timeout=30)
+    child.join(30)
+    assert isinstance(child_id, int), child_id
+    assert child_id != parent_id
+    assert reserve(store, "parent-again").token > 0  # the parent's socket is intact
+
+
+def test_an_apps_client_carries_every_command_itself(redis_url: str) -> None:
+    sent: list[Any] = []
+
+    class Counting(redis.Redis):
+        def execute_command(self, *args: Any, **options: Any) -> Any:
+            sent.append(args[0])
+            return super().execute_command(*args, **options)
+
+    prefix = f"lane-{secrets.token_hex(4)}"
+    with Counting.from_url(redis_url) as client:
+        store = RedisStore(client=client, prefix=prefix)
+        assert store._lane is None
+        with Idempotency(store).once("k", operation="pay") as attempt:
+            attempt.result = 1
+        assert {"SET", "EVALSHA"} <= set(sent)
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
