@@ -1,6 +1,6 @@
 """A duplicate told to wait (``Policy.wait``) is woken when the first attempt ends, on a store
-that can say so (``wait_settled``: the memory store, Redis by pub/sub), instead of polling
-every 50 ms.
+that can say so (``wait_settled``: the memory store, Redis by pub/sub, PostgreSQL by
+LISTEN/NOTIFY), instead of polling every 50 ms.
 
 Shown by counting reservations: a waiter that was woken asks the store twice (once to find
 the key in progress, once to replay), however long the first attempt ran; one that polls
@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
+from idempo._core.ops import Reserve
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
+from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.redis import AsyncRedisStore, RedisStore
 
 DEADLINE = 20.0  # seconds any wait for another thread may take before the test fails
@@ -47,27 +49,72 @@ class CountingRedisStore(Counting, RedisStore):
     """A Redis store that counts reservations."""
 
 
-class CountingAsyncRedisStore(AsyncRedisStore):
-    """An async Redis store that counts reservations."""
+class CountingOps:
+    """Counts the reservations of a store that takes operations as values (the flow calls
+    its ``perform``, sync or async, not its verbs)."""
+
+    reservations = 0
+
+    def perform(self, op: Any) -> Any:
+        if isinstance(op, Reserve):
+            self.reservations += 1
+        return super().perform(op)  # type: ignore[misc]
+
+
+class CountingPostgresStore(CountingOps, PostgresStore):
+    """A PostgreSQL store that counts reservations."""
+
+
+class AsyncCounting:
+    """Counts an async store's reservations."""
 
     reservations = 0
 
     async def reserve(self, *args: Any, **kwargs: Any) -> Any:
         self.reservations += 1
-        return await super().reserve(*args, **kwargs)
+        return await super().reserve(*args, **kwargs)  # type: ignore[misc]
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+class CountingAsyncRedisStore(AsyncCounting, AsyncRedisStore):
+    """An async Redis store that counts reservations."""
+
+
+class CountingAsyncPostgresStore(CountingOps, AsyncPostgresStore):
+    """An async PostgreSQL store that counts reservations."""
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        "redis",
+        "redis-cluster",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    ]
+)
 def counted(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A store that counts its reservations: the memory store, or Redis, a server or the
-    private cluster (a prefix of the test's own)."""
+    """A store that counts its reservations: the memory store, Redis (a server or the
+    private cluster, a prefix of the test's own), or PostgreSQL (a schema of the test's own)."""
     if request.param == "memory":
         yield CountingStore()
+        return
+    if request.param == "postgres":
+        yield from migrated(CountingPostgresStore, request)
         return
     where = "redis_cluster" if request.param == "redis-cluster" else "redis"
     url = request.getfixturevalue(f"{where}_url")
     prefix = request.getfixturevalue(f"{where}_prefix")
     store = CountingRedisStore(url, prefix=prefix)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def migrated(kind: type[PostgresStore], request: pytest.FixtureRequest, **options: Any) -> Any:
+    """A migrated PostgreSQL store of ``kind`` on the test's schema, closed afterwards."""
+    url, schema = request.getfixturevalue("postgres_url"), request.getfixturevalue("pg_schema")
+    store = kind(url, table=f"{schema}.idempo_records", **options)
+    store.migrate()
     try:
         yield store
     finally:
