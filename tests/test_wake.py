@@ -12,20 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+import psycopg
 import pytest
 
 from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
-from idempo._core.ops import Reserve
+from idempo._core.keys import Scope
+from idempo._core.ops import Reserve, Settle
+from idempo._core.record import Acquired, Status
+from idempo.stores._sql.dialect import pyformat
+from idempo.stores._sql.postgres import WAKE_CLASS
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.redis import AsyncRedisStore, RedisStore
+
+T = TypeVar("T", bound=PostgresStore)
 
 DEADLINE = 20.0  # seconds any wait for another thread may take before the test fails
 HOLD = 0.4  # seconds the first attempt runs: eight polls' worth
@@ -98,7 +108,8 @@ def counted(request: pytest.FixtureRequest) -> Iterator[Any]:
         yield CountingStore()
         return
     if request.param == "postgres":
-        yield from migrated(CountingPostgresStore, request)
+        with migrated(CountingPostgresStore, request) as store:
+            yield store
         return
     where = "redis_cluster" if request.param == "redis-cluster" else "redis"
     url = request.getfixturevalue(f"{where}_url")
@@ -110,7 +121,8 @@ def counted(request: pytest.FixtureRequest) -> Iterator[Any]:
         store.close()
 
 
-def migrated(kind: type[PostgresStore], request: pytest.FixtureRequest, **options: Any) -> Any:
+@contextmanager
+def migrated(kind: type[T], request: pytest.FixtureRequest, **options: Any) -> Iterator[T]:
     """A migrated PostgreSQL store of ``kind`` on the test's schema, closed afterwards."""
     url, schema = request.getfixturevalue("postgres_url"), request.getfixturevalue("pg_schema")
     store = kind(url, table=f"{schema}.idempo_records", **options)
@@ -308,3 +320,212 @@ async def test_a_cancelled_async_waiter_leaves_no_watch_behind() -> None:
         first.result = "charged"
     async with idem.once("k-1", operation="charge") as replay:
         assert replay.result == "charged"
+
+
+# -- PostgreSQL: the mark, the race between a settle and a waiter's arrival -------------------
+
+
+@pytest.fixture
+def pg(request: pytest.FixtureRequest) -> Iterator[PostgresStore]:
+    with migrated(PostgresStore, request) as store:
+        yield store
+
+
+def held(store: PostgresStore, key: str, lease: float = 60.0) -> tuple[Scope, int]:
+    """A record of ``key`` in progress, reserved on ``store``; its scope and token."""
+    scope = Scope("", "charge", key)
+    reservation = store.reserve(
+        scope, "fp", now=None, lease=timedelta(seconds=lease), ttl=timedelta(hours=1)
+    )
+    assert isinstance(reservation, Acquired)
+    return scope, reservation.token
+
+
+def settle_statement(store: PostgresStore, scope: Scope, token: int) -> tuple[str, Any]:
+    """The store's own settle statement for ``scope``, as psycopg takes it."""
+    op = Settle(scope, token, Status.COMPLETED, b"done", None, timedelta(hours=1))
+    statement = next(store.dialect.settle(op))
+    return pyformat(statement.sql), statement.params
+
+
+def marks(url: str, store: PostgresStore, scope: Scope, *, granted: bool) -> int:
+    """How many sessions hold (or, not ``granted``, wait for) the mark of ``scope``."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s"
+            " AND objid = %s AND objsubid = 2 AND granted = %s",
+            (WAKE_CLASS, store.dialect.wake_key(scope), granted),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("pause", ["none", "before-commit"])
+def test_a_settle_racing_a_waiters_arrival_never_leaves_it_waiting(
+    postgres_url: str, pg: PostgresStore, pause: str
+) -> None:
+    """Many rounds: a settle on a connection of its own (its transaction open for a moment
+    before the commit, or not) and a waiter on another store arrive in a random order; the
+    waiter always returns, settled, long before its wait (a lost wake-up would run into it)."""
+    waiter = PostgresStore(postgres_url, table=pg.dialect.table)
+    rng = random.Random(15)
+    try:
+        with psycopg.connect(postgres_url) as settling, ThreadPoolExecutor(2) as pool:
+            for n in range(150):
+                scope, token = held(pg, f"race-{n}")
+                sql, params = settle_statement(pg, scope, token)
+                go = threading.Barrier(2)
+
+                def settle(sql: str = sql, params: Any = params, go: Any = go) -> None:
+                    go.wait(DEADLINE)
+                    time.sleep(rng.random() * 0.002)
+                    with settling.transaction():
+                        settling.execute(sql, params)
+                        if pause == "before-commit":
+                            time.sleep(rng.random() * 0.002)
+
+                def wait(scope: Scope = scope, go: Any = go) -> None:
+                    go.wait(DEADLINE)
+                    time.sleep(rng.random() * 0.002)
+                    waiter.wait_settled(scope, seconds=10 * DEADLINE)
+
+                settled, waited = pool.submit(settle), pool.submit(wait)
+                settled.result(DEADLINE)
+                waited.result(DEADLINE)  # a missed notification: the wait runs into this
+                record = pg.get(scope)
+                assert record is not None
+                assert record.status is Status.COMPLETED
+    finally:
+        waiter.close()
+
+
+@pytest.mark.postgres
+def test_a_waiter_arriving_between_a_settle_and_its_commit_waits_for_the_commit(
+    postgres_url: str, pg: PostgresStore
+) -> None:
+    """The settle took the mark (nobody waited), so it sends nothing: the waiter that comes
+    before its commit waits on the mark, then reads the settled record."""
+    scope, token = held(pg, "k-1")
+    sql, params = settle_statement(pg, scope, token)
+    with psycopg.connect(postgres_url) as settling, ThreadPoolExecutor(1) as pool:
+        with settling.transaction():
+            settling.execute(sql, params)
+            waited = pool.submit(pg.wait_settled, scope, 10 * DEADLINE)
+            until(lambda: marks(postgres_url, pg, scope, granted=False) == 1, "it waits")
+            assert not waited.done()
+        waited.result(DEADLINE)
+    assert marks(postgres_url, pg, scope, granted=True) == 0
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_settle_notifies_only_when_someone_holds_the_mark(
+    postgres_url: str, pg: PostgresStore, watched: bool
+) -> None:
+    """A listener sees the settle's notification when it holds the mark, none when it does
+    not: the marker sent after the settle comes first then (notifications arrive in commit
+    order)."""
+    scope, token = held(pg, "k-1")
+    key = pg.dialect.wake_key(scope)
+    with (
+        psycopg.connect(postgres_url, autocommit=True) as listener,
+        psycopg.connect(postgres_url, autocommit=True) as other,
+    ):
+        listener.execute(f"LISTEN idempo_wake_{key}")
+        if watched:
+            listener.execute("SELECT pg_advisory_lock_shared(%s, %s)", (WAKE_CLASS, key))
+        pg.complete(scope, token, b"done", now=None, ttl=timedelta(hours=1))
+        other.execute(f"NOTIFY idempo_wake_{key}, 'marker'")
+        got = []
+        for notify in listener.notifies(timeout=DEADLINE):
+            got.append(notify.payload)
+            if notify.payload == "marker":
+                break
+    assert got == (["", "marker"] if watched else ["marker"])
+
+
+def pooled_sessions_are_clean(store: PostgresStore) -> None:
+    """Every connection the store's pool has: no LISTEN, no advisory lock left."""
+    conns = [store._pool.getconn(timeout=DEADLINE) for _ in range(store._pool.max_size)]
+    try:
+        for conn in conns:
+            assert conn.execute("SELECT pg_listening_channels()").fetchall() == []
+            row = conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid()"
+                " AND locktype = 'advisory'"
+            ).fetchone()
+            assert row == (0,)
+    finally:
+        for conn in conns:
+            store._pool.putconn(conn)
+
+
+@pytest.mark.postgres
+def test_the_waiters_connection_goes_back_to_the_pool_clean(
+    postgres_url: str, pg: PostgresStore
+) -> None:
+    waiter = PostgresStore(postgres_url, table=pg.dialect.table, max_size=2)  # one seat
+    try:
+        scope, token = held(pg, "k-1")
+        waiter.wait_settled(scope, seconds=0.2)  # nobody settles: the wait ends
+        threading.Timer(
+            0.1, pg.complete, (scope, token, b"done"), {"now": None, "ttl": timedelta(hours=1)}
+        ).start()
+        waiter.wait_settled(scope, seconds=10 * DEADLINE)  # woken
+        assert marks(postgres_url, pg, scope, granted=True) == 0
+        pooled_sessions_are_clean(waiter)
+    finally:
+        waiter.close()
+
+
+@pytest.mark.postgres
+def test_a_waiter_beyond_half_the_pool_polls(request: pytest.FixtureRequest) -> None:
+    """A pool of one leaves no seat for a waiter: it polls, and the attempt it waits for
+    keeps the connection it needs to settle."""
+    with migrated(CountingPostgresStore, request, max_size=1) as store:
+        got, reservations = first_and_waiter(store, store, settle="complete")
+    assert got == "charged"
+    assert reservations > 4
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+async def test_an_async_postgres_waiter_is_woken_by_a_settle_from_another_store(
+    postgres_url: str, pg: PostgresStore
+) -> None:
+    waiting = CountingAsyncPostgresStore(postgres_url, table=pg.dialect.table)
+    try:
+        await async_waiter_is_woken(pg, waiting, waiting)
+    finally:
+        await waiting.aclose()
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+async def test_a_cancelled_async_postgres_waiter_leaves_nothing_behind(
+    postgres_url: str, pg: PostgresStore
+) -> None:
+    store = AsyncPostgresStore(postgres_url, table=pg.dialect.table)
+    idem = AsyncIdempotency(store, Policy(wait=timedelta(seconds=10 * DEADLINE)))
+    scope = Scope("", "charge", "k-1")
+    try:
+        async with idem.once("k-1", operation="charge") as first:
+
+            async def duplicate() -> None:
+                async with idem.once("k-1", operation="charge"):
+                    pass
+
+            task = asyncio.ensure_future(duplicate())
+            holds = functools.partial(marks, postgres_url, pg, scope, granted=True)
+            await asyncio.to_thread(until, lambda: holds() == 1, "the duplicate waits")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Its connection was closed: the server ends the session, and its lock, soon.
+            await asyncio.to_thread(until, lambda: holds() == 0, "the mark is let go")
+            first.result = "charged"
+        async with idem.once("k-1", operation="charge") as replay:
+            assert replay.result == "charged"
+    finally:
+        await store.aclose()
