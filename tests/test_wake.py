@@ -166,7 +166,9 @@ def first_and_waiter(store: Any, counted: Counting, *, settle: str) -> tuple[Any
                 time.sleep(HOLD)
                 if settle == "fail":
                     raise LookupError("declined")
-                if settle == "release":
+                if settle == "end-lease":  # a step committed: the lease ends instead
+                    attempt.checkpoint("authorized")
+                if settle in ("release", "end-lease"):
                     raise ConnectionError("the card network timed out")
                 attempt.result = "charged"
         except (LookupError, ConnectionError):
@@ -191,12 +193,15 @@ def first_and_waiter(store: Any, counted: Counting, *, settle: str) -> tuple[Any
     return got, reservations
 
 
-@pytest.mark.parametrize("settle", ["complete", "fail", "release"])
+@pytest.mark.parametrize("settle", ["complete", "fail", "release", "end-lease"])
 def test_a_waiting_duplicate_is_woken_when_the_first_attempt_ends(
     counted: Any, settle: str
 ) -> None:
+    if settle == "end-lease" and isinstance(counted, RedisStore):
+        pytest.skip("Redis's renew script publishes nothing yet: the wait ends with the lease")
     got, reservations = first_and_waiter(counted, counted, settle=settle)
     expected = {"complete": "charged", "fail": "ReplayedFailureError", "release": "ran again"}
+    expected["end-lease"] = "ran again"  # taken over at once, resuming after the step
     assert got == expected[settle]
     assert reservations == 2  # in progress, then the outcome: no polls in between
     assert getattr(counted, "_waiting", {}) == {}

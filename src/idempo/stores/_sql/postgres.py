@@ -9,9 +9,11 @@ from functools import cached_property
 from time import monotonic
 from typing import Any
 
+from ..._core.digest import key_ref
 from ..._core.keys import Scope
-from ..._core.ops import Release, Reserve, Settle
+from ..._core.ops import Checkpoint, Release, Reserve, Settle
 from ..._core.record import InProgress, Reservation
+from ...errors import FencedError
 from .dialect import COLUMNS, FENCED_MARKER, RESERVE_TRIES, SqlDialect, SqlGen, Statement
 
 # PostgreSQL's lock timeout for the reservation's statements only, shared by the psycopg and
@@ -178,6 +180,22 @@ class PostgresDialect(SqlDialect):
         params = {**self.scope_params(op.scope), "token": op.token}
         params["wake"] = self.wake_key(op.scope)
         yield Statement(self.release_sql, params, fetch=False)
+
+    @cached_property
+    def lease_end_sql(self) -> str:
+        return f"{self.checkpoint_update} RETURNING {_WAKE}"
+
+    def checkpoint(self, op: Checkpoint) -> SqlGen[None]:
+        if op.lease > timedelta(0):
+            yield from super().checkpoint(op)
+            return
+        # A lease ended by its holder (the flow's release of an attempt whose steps
+        # committed): a waiter may take over at once, so it is told as for a release.
+        op = self.fix_now(op)
+        params = {**self.checkpoint_params(op), "wake": self.wake_key(op.scope)}
+        if not (yield Statement(self.lease_end_sql, params)):
+            stale = f"token {op.token} is stale"
+            raise FencedError(f"cannot record a step of {key_ref(op.scope.key)}: {stale}")
 
     def wake_key(self, scope: Scope) -> int:
         """The second half of the advisory lock key that marks a waiter of ``scope``'s
