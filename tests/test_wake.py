@@ -336,11 +336,12 @@ def pg(request: pytest.FixtureRequest) -> Iterator[PostgresStore]:
         yield store
 
 
-def held(store: PostgresStore, key: str, lease: float = 60.0) -> tuple[Scope, int]:
-    """A record of ``key`` in progress, reserved on ``store``; its scope and token."""
+def held(store: PostgresStore, key: str) -> tuple[Scope, int]:
+    """A record of ``key`` in progress (a minute's lease), reserved on ``store``; its scope
+    and token."""
     scope = Scope("", "charge", key)
     reservation = store.reserve(
-        scope, "fp", now=None, lease=timedelta(seconds=lease), ttl=timedelta(hours=1)
+        scope, "fp", now=None, lease=timedelta(minutes=1), ttl=timedelta(hours=1)
     )
     assert isinstance(reservation, Acquired)
     return scope, reservation.token
@@ -393,7 +394,7 @@ def test_a_settle_racing_a_waiters_arrival_never_leaves_it_waiting(
                 def wait(scope: Scope = scope, go: Any = go) -> None:
                     go.wait(DEADLINE)
                     time.sleep(rng.random() * 0.002)
-                    waiter.wait_settled(scope, seconds=10 * DEADLINE)
+                    waiter.wait_settled(scope, seconds=2 * DEADLINE)
 
                 settled, waited = pool.submit(settle), pool.submit(wait)
                 settled.result(DEADLINE)
@@ -474,10 +475,11 @@ def test_the_waiters_connection_goes_back_to_the_pool_clean(
     try:
         scope, token = held(pg, "k-1")
         waiter.wait_settled(scope, seconds=0.2)  # nobody settles: the wait ends
-        threading.Timer(
-            0.1, pg.complete, (scope, token, b"done"), {"now": None, "ttl": timedelta(hours=1)}
-        ).start()
-        waiter.wait_settled(scope, seconds=10 * DEADLINE)  # woken
+        with ThreadPoolExecutor(1) as pool:
+            waited = pool.submit(waiter.wait_settled, scope, 10 * DEADLINE)
+            until(lambda: marks(postgres_url, pg, scope, granted=True) == 1, "it waits")
+            pg.complete(scope, token, b"done", now=None, ttl=timedelta(hours=1))
+            waited.result(DEADLINE)  # woken
         assert marks(postgres_url, pg, scope, granted=True) == 0
         pooled_sessions_are_clean(waiter)
     finally:
