@@ -29,8 +29,9 @@ def callgrind_count(valgrind: str, script: str, args: list[str]) -> int:
         return int(summary.group(1))
 
 
-def scratch_postgres_store(stack: ExitStack, dsn: str) -> Any:
-    """A migrated `PostgresStore` in a fresh schema, closed and dropped when ``stack`` ends."""
+def scratch_postgres_store(stack: ExitStack, dsn: str, kind: Any = None) -> Any:
+    """A migrated `PostgresStore` (or ``kind``, a subclass) in a fresh schema, closed and
+    dropped when ``stack`` ends."""
     import psycopg
 
     from idempo.stores.postgres import PostgresStore
@@ -44,7 +45,7 @@ def scratch_postgres_store(stack: ExitStack, dsn: str) -> Any:
             admin.execute(f"DROP SCHEMA {schema} CASCADE")
 
     stack.callback(drop)
-    store = PostgresStore(dsn, table=f"{schema}.idempo_records", max_size=2)
+    store = (kind or PostgresStore)(dsn, table=f"{schema}.idempo_records", max_size=2)
     stack.callback(store.close)
     store.migrate()
     return store

@@ -1,8 +1,8 @@
 """How long a duplicate told to wait (``Policy.wait``) takes to replay once the first attempt
 completes: woken by the store (``wait_settled``) against polling every 50 ms, measured in the
-same run on the same memory store.
+same run, on the memory store and on PostgreSQL (LISTEN/NOTIFY; a scratch schema).
 
-    .venv/bin/python bench/wake_latency.py [--rounds 40]
+    .venv/bin/python bench/wake_latency.py [--rounds 40] [--dsn URL] [--no-postgres]
 
 Each round: a first attempt holds a key, a duplicate starts waiting, the first completes at
 a moment that falls anywhere within a poll interval; the time from the completion to the
@@ -16,17 +16,28 @@ import random
 import statistics
 import threading
 import time
+from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any
 
+from _measure import scratch_postgres_store
 from _report import report
 from idempo import Idempotency, Policy
 from idempo.stores.memory import MemoryStore
+from idempo.stores.postgres import PostgresStore
+
+DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 class PollingStore(MemoryStore):
     """The memory store without ``wait_settled`` (the flow then polls): what every store
     was before."""
+
+    wait_settled = None  # type: ignore[assignment]
+
+
+class PollingPostgresStore(PostgresStore):
+    """PostgreSQL without ``wait_settled``, as it was before."""
 
     wait_settled = None  # type: ignore[assignment]
 
@@ -56,13 +67,26 @@ def one_round(store: Any, key: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=40)
-    rounds = parser.parse_args().rounds
-    samples: dict[str, list[float]] = {"woken": [], "polling": []}
-    faces = {"woken": MemoryStore(), "polling": PollingStore()}
+    parser.add_argument("--dsn", default=DEFAULT_DSN)
+    parser.add_argument("--no-postgres", action="store_true")
+    args = parser.parse_args()
+    with ExitStack() as stack:
+        families = {"memory store": {"woken": MemoryStore(), "polling": PollingStore()}}
+        if not args.no_postgres:
+            families["PostgreSQL"] = {
+                "woken": scratch_postgres_store(stack, args.dsn),
+                "polling": scratch_postgres_store(stack, args.dsn, PollingPostgresStore),
+            }
+        for family, faces in families.items():
+            measure(family, faces, args.rounds)
+
+
+def measure(family: str, faces: dict[str, Any], rounds: int) -> None:
+    samples: dict[str, list[float]] = {name: [] for name in faces}
     for n in range(rounds):
-        for name in random.sample(list(faces), 2):  # interleaved, in a random order
+        for name in random.sample(list(faces), len(faces)):  # interleaved, in a random order
             samples[name].append(one_round(faces[name], f"{name}-{n}"))
-    print(f"settle -> replay of a waiting duplicate, memory store, {rounds} rounds each")
+    print(f"settle -> replay of a waiting duplicate, {family}, {rounds} rounds each")
     for name, values in samples.items():
         values.sort()
         p95 = values[int(len(values) * 0.95) - 1]
@@ -72,7 +96,7 @@ def main() -> None:
     print(f"  polling / woken (median): {ratio:.0f}x")
     report(
         "wake",
-        "memory store: settle -> replay of a waiting duplicate, ms (median)",
+        f"{family}: settle -> replay of a waiting duplicate, ms (median)",
         statistics.median(samples["woken"]) * 1000,
         None,
         unit="ms",

@@ -32,7 +32,7 @@ class Policy:
             row lock before it is told the key is in progress.
         wait: if set, a call that finds the key in progress waits up to this long for the
             first attempt to finish and replays its result, instead of raising at once. A
-            store that can tell when a record settles (the memory store, Redis) wakes the
+            store that can tell when a record settles (memory, Redis, PostgreSQL) wakes the
             caller then; with the others it asks again every 50 ms.
         fail_on: exception types that are deterministic failures: stored and replayed (as
             `ReplayedFailureError`). Any other exception releases the key so a retry runs again.

@@ -66,8 +66,10 @@ class Watchdog:
         self._stopped = threading.Event()
         self._starting = threading.Lock()
 
-    def watch(self, conn: Any) -> None:
-        self._busy[conn] = monotonic()
+    def watch(self, conn: Any, allowance: float = 0.0) -> None:
+        """A call on ``conn`` begins; ``allowance``: seconds it may wait beyond the bound
+        and the lock wait (a lock of its own that waits no longer than that)."""
+        self._busy[conn] = monotonic() + allowance
         if self._thread is None:
             self._start()
 

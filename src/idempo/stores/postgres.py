@@ -12,15 +12,18 @@ the bare one (BEGIN + reserve, the app's write, complete + COMMIT).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
+import threading
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from datetime import timedelta
 from functools import lru_cache
-from time import monotonic
+from time import monotonic, sleep
 from typing import Any, Self, TypeVar
 
+from .._core.keys import Scope
 from .._optional import optional_import
 
 with optional_import("the PostgreSQL store needs psycopg", extra="postgres"):
@@ -45,6 +48,7 @@ from ._sql.postgres import (
     PG_RESTORE_LOCK_TIMEOUT,
     PG_SET_LOCK_TIMEOUT,
     PostgresDialect,
+    Watch,
     pg_ms,
 )
 from ._sql.transaction import (
@@ -598,6 +602,44 @@ def _timeout(connector: _Connector | None) -> timedelta | None:
     return None if connector is None else timedelta(seconds=connector.timeout)
 
 
+# A waiting duplicate that finds every seat taken polls, as the flow does with a store that
+# cannot wake it. Seconds.
+_NO_SEAT_POLL_SECONDS = 0.05
+
+
+class _Seats:
+    """How many waiting duplicates may hold one of the pool's connections at once: half of
+    them, so that waiters never take the connections the attempts they wait for need to
+    settle (a waiter beyond that polls). Counted under a lock: a store is shared by threads."""
+
+    def __init__(self, pool_size: int) -> None:
+        self._free = pool_size // 2
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._free <= 0:
+                return False
+            self._free -= 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self._free += 1
+
+
+@contextmanager
+def _closed_unless_done(conn: Any) -> Iterator[None]:
+    """Close ``conn`` if the block does not end (a failure, a cancellation): what it left on
+    the session (a LISTEN, an advisory lock) ends with it, and its pool drops it. Closing
+    never waits, so a cancelled task closes it too."""
+    try:
+        yield
+    except BaseException:
+        conn.pgconn.finish()
+        raise
+
+
 def _socket_of(conn: Any) -> int:
     return int(conn.pgconn.socket)
 
@@ -648,6 +690,8 @@ class PostgresStore(SqlStore):
     >>> store = PostgresStore("postgresql://postgres@127.0.0.1/test")  # doctest: +SKIP
     """
 
+    dialect: PostgresDialect
+
     def __init__(
         self,
         conninfo: str | ConnectionPool[Any],
@@ -662,13 +706,15 @@ class PostgresStore(SqlStore):
         self._connector = _connector(conninfo, connect_timeout, max_size)
         self._watchdog = _watchdog(self._connector, read_timeout)
         self._pool: ConnectionPool[Any] = _pool(conninfo, self._connector, ConnectionPool, _watched)
+        self._seats = _Seats(self._pool.max_size)
         self.connect_timeout = _timeout(self._connector)
         self.read_timeout = timedelta(seconds=self._watchdog.bound)
 
     @contextmanager
-    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """One of the pool's connections, or when the pool cannot connect, one made here."""
-        conn, pooled = self._checkout()
+    def _connection(self, wait: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """One of the pool's connections, or when the pool cannot connect, one made here;
+        ``wait``: how long to wait for one at most (seconds; default: `_checkout`'s)."""
+        conn, pooled = self._checkout(wait)
         watchdog = self._watchdog
         watchdog.watch(conn)
         try:
@@ -681,11 +727,11 @@ class PostgresStore(SqlStore):
             if pooled:
                 self._pool.putconn(conn)
 
-    def _checkout(self) -> tuple[psycopg.Connection[Any], bool]:
+    def _checkout(self, wait: float | None = None) -> tuple[psycopg.Connection[Any], bool]:
         connector = self._connector
-        if connector is None:
-            return self._pool.getconn(), True  # the app's pool, with its own timeout
-        deadline = monotonic() + POOL_TIMEOUT_SECONDS
+        if connector is None:  # the app's pool, with its own timeout unless told
+            return self._pool.getconn(timeout=wait), True
+        deadline = monotonic() + (POOL_TIMEOUT_SECONDS if wait is None else wait)
         while True:
             try:
                 return self._pool.getconn(timeout=connector.wait(deadline)), True
@@ -704,6 +750,40 @@ class PostgresStore(SqlStore):
                 return execute(_PsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
         except psycopg.Error as exc:  # the pool's, the connection's: not the statements'
             raise error(exc) from exc
+
+    def wait_settled(self, scope: Scope, seconds: float) -> None:
+        """Return once the record of ``scope`` is no longer in progress, or ``seconds``
+        later: a duplicate told to wait (``Policy.wait``) reserves again as soon as the first
+        attempt settles or releases, instead of polling. It waits on a pooled connection of
+        its own (`LISTEN`, and a shared advisory lock that a settle looks for: a settle
+        notifies only when someone waits), which goes back to the pool as it came, or is
+        closed. Any failure only ends the wait: the reservation that follows meets it.
+
+        >>> store.wait_settled(scope, seconds=30)  # doctest: +SKIP
+        """
+        watch = self.dialect.watch(scope, seconds)
+        if not self._seats.take():
+            sleep(min(seconds, _NO_SEAT_POLL_SECONDS))
+            return
+        try:
+            self._wait(watch)
+        finally:
+            self._seats.give()
+
+    def _wait(self, watch: Watch) -> None:
+        with suppress(Exception), self._connection(watch.left()) as conn, _closed_unless_done(conn):
+            watchdog = self._watchdog
+            watchdog.watch(conn, allowance=watch.left())  # the lock waits for a settle's commit
+            conn.execute(watch.listen)
+            conn.execute(watch.lock())
+            if conn.execute(_pyformat(watch.check), watch.params).fetchone():
+                watchdog.done(conn)  # no answer is awaited: silence is no failure here
+                for _ in conn.notifies(timeout=watch.left(), stop_after=1):
+                    pass
+                watchdog.watch(conn)
+            conn.execute(watch.unwatch)
+            for _ in conn.notifies(timeout=0):  # what came before UNLISTEN took effect
+                pass
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
@@ -734,6 +814,8 @@ class AsyncPostgresStore(AsyncSqlStore):
     The pool opens on first use, inside the running event loop.
     """
 
+    dialect: PostgresDialect
+
     def __init__(
         self,
         conninfo: str | AsyncConnectionPool[Any],
@@ -751,16 +833,19 @@ class AsyncPostgresStore(AsyncSqlStore):
         self._pool: AsyncConnectionPool[Any] = _pool(
             conninfo, self._connector, AsyncConnectionPool, _awatched
         )
+        self._seats = _Seats(self._pool.max_size)
         self._opened = not self._owns_pool
         self.connect_timeout = _timeout(self._connector)
 
     @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async def _connection(
+        self, wait: float | None = None
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """The asynchronous twin of `PostgresStore._connection`."""
         if not self._opened:
             await self._pool.open()
             self._opened = True
-        conn, pooled = await self._checkout()
+        conn, pooled = await self._checkout(wait)
         watchdog = self._watchdog
         watchdog.watch(conn)
         try:
@@ -773,11 +858,13 @@ class AsyncPostgresStore(AsyncSqlStore):
             if pooled:
                 await self._pool.putconn(conn)
 
-    async def _checkout(self) -> tuple[psycopg.AsyncConnection[Any], bool]:
+    async def _checkout(
+        self, wait: float | None = None
+    ) -> tuple[psycopg.AsyncConnection[Any], bool]:
         connector = self._connector
         if connector is None:
-            return await self._pool.getconn(), True
-        deadline = monotonic() + POOL_TIMEOUT_SECONDS
+            return await self._pool.getconn(timeout=wait), True
+        deadline = monotonic() + (POOL_TIMEOUT_SECONDS if wait is None else wait)
         while True:
             try:
                 return await self._pool.getconn(timeout=connector.wait(deadline)), True
@@ -797,6 +884,35 @@ class AsyncPostgresStore(AsyncSqlStore):
                 return await aexecute(_AsyncPsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
         except psycopg.Error as exc:
             raise error(exc) from exc
+
+    async def wait_settled(self, scope: Scope, seconds: float) -> None:
+        """`PostgresStore.wait_settled`, on this store's event loop; a cancelled wait closes
+        its connection (the pool replaces it)."""
+        watch = self.dialect.watch(scope, seconds)
+        if not self._seats.take():
+            await asyncio.sleep(min(seconds, _NO_SEAT_POLL_SECONDS))
+            return
+        try:
+            await self._wait(watch)
+        finally:
+            self._seats.give()
+
+    async def _wait(self, watch: Watch) -> None:
+        with suppress(Exception):
+            async with self._connection(watch.left()) as conn:
+                with _closed_unless_done(conn):
+                    watchdog = self._watchdog
+                    watchdog.watch(conn, allowance=watch.left())
+                    await conn.execute(watch.listen)
+                    await conn.execute(watch.lock())
+                    if await (await conn.execute(_pyformat(watch.check), watch.params)).fetchone():
+                        watchdog.done(conn)
+                        async for _ in conn.notifies(timeout=watch.left(), stop_after=1):
+                            pass
+                        watchdog.watch(conn)
+                    await conn.execute(watch.unwatch)
+                    async for _ in conn.notifies(timeout=0):
+                        pass
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import operator
+import zlib
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from time import monotonic
 from typing import Any
 
-from ..._core.ops import Reserve, Settle
+from ..._core.digest import key_ref
+from ..._core.keys import Scope
+from ..._core.ops import Checkpoint, Release, Reserve, Settle
 from ..._core.record import InProgress, Reservation
+from ...errors import FencedError
 from .dialect import COLUMNS, FENCED_MARKER, RESERVE_TRIES, SqlDialect, SqlGen, Statement
 
 # PostgreSQL's lock timeout for the reservation's statements only, shared by the psycopg and
@@ -21,6 +26,20 @@ PG_SET_LOCK_TIMEOUT = (
 PG_AGAIN_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', :ms, true)"
 PG_RESTORE_LOCK_TIMEOUT = (
     "SELECT set_config('lock_timeout', current_setting('idempo.lock_timeout'), true)"
+)
+
+
+# The first half of the two-int advisory lock key of a waiting duplicate's mark ("idem"): the
+# two-int form never meets an app's bigint advisory locks, and this class its other ones.
+WAKE_CLASS = int.from_bytes(b"idem")
+# What the settle and release statements run for the record's waiters: the mark is free (no
+# one waits) when this statement's transaction can take it exclusively, and then holds it to
+# its commit, so that a waiter arriving meanwhile waits for the commit on its shared lock and
+# reads the settled record; otherwise a notification, sent at the commit. Never a NOTIFY when
+# no one waits: each one takes a database-wide lock at the commit (docs/decisions.md).
+_WAKE = (
+    f"CASE WHEN NOT pg_try_advisory_xact_lock({WAKE_CLASS}, CAST(:wake AS integer))"
+    " THEN pg_notify('idempo_wake_' || CAST(:wake AS integer), '') END"
 )
 
 
@@ -134,8 +153,9 @@ class PostgresDialect(SqlDialect):
     def settle_sql(self) -> str:
         # A stale token must abort the transaction it runs in, even when COMMIT was pipelined
         # right behind it; SQL has no RAISE, so a failing cast carries the error.
+        # The record's waiters are told (`_WAKE`) only when this settles it.
         return (
-            f"WITH settled AS ({self.settle_update} RETURNING token)"
+            f"WITH settled AS ({self.settle_update} RETURNING {_WAKE})"
             " SELECT CASE WHEN EXISTS (SELECT 1 FROM settled) THEN 1"
             # The same settle again (a retry whose answer was lost) succeeds unchanged.
             f" WHEN EXISTS ({self.settled_sql}) THEN 1"
@@ -145,7 +165,50 @@ class PostgresDialect(SqlDialect):
         )
 
     def settle(self, op: Settle) -> SqlGen[None]:
-        yield Statement(self.settle_sql, self.settle_params(op), fetch=False)
+        params = self.settle_params(op)
+        params["wake"] = self.wake_key(op.scope)
+        yield Statement(self.settle_sql, params, fetch=False)
+
+    @cached_property
+    def release_sql(self) -> str:
+        return (
+            f"WITH gone AS (DELETE FROM {self.table} WHERE {self.where_scope}{self.release_where}"
+            f" RETURNING {_WAKE}) SELECT count(*) FROM gone"
+        )
+
+    def release(self, op: Release) -> SqlGen[None]:
+        params = {**self.scope_params(op.scope), "token": op.token}
+        params["wake"] = self.wake_key(op.scope)
+        yield Statement(self.release_sql, params, fetch=False)
+
+    @cached_property
+    def lease_end_sql(self) -> str:
+        return f"{self.checkpoint_update} RETURNING {_WAKE}"
+
+    def checkpoint(self, op: Checkpoint) -> SqlGen[None]:
+        if op.lease > timedelta(0):
+            yield from super().checkpoint(op)
+            return
+        # A lease ended by its holder (the flow's release of an attempt whose steps
+        # committed): a waiter may take over at once, so it is told as for a release.
+        op = self.fix_now(op)
+        params = {**self.checkpoint_params(op), "wake": self.wake_key(op.scope)}
+        if not (yield Statement(self.lease_end_sql, params)):
+            stale = f"token {op.token} is stale"
+            raise FencedError(f"cannot record a step of {key_ref(op.scope.key)}: {stale}")
+
+    def wake_key(self, scope: Scope) -> int:
+        """The second half of the advisory lock key that marks a waiter of ``scope``'s
+        record, and its channel's number: a hash of the table and the scope (NUL is in no
+        PostgreSQL text), 31 bits so that it is a positive integer. Two scopes that share
+        one only wake each other's waiters for nothing."""
+        parts = (self.table, scope.principal, scope.operation, scope.key)
+        return zlib.crc32("\0".join(parts).encode()) >> 1
+
+    def watch(self, scope: Scope, seconds: float) -> Watch:
+        """What a duplicate runs to wait for the record of ``scope`` to settle, at most
+        ``seconds`` from now (the store's ``wait_settled``)."""
+        return Watch(self, scope, monotonic() + seconds)
 
     @cached_property
     def purge_sql(self) -> str:
@@ -170,3 +233,40 @@ class PostgresDialect(SqlDialect):
         rows = yield Statement(self.purge_sql, params)
         count, latest = rows[0] if rows else (0, None)
         return int(count), latest
+
+
+class Watch:
+    """A waiting duplicate's statements, in order, on one connection of its own in
+    autocommit mode: `listen`; `lock`, the shared mark a settle looks for (it waits for a
+    settle that took the mark first to commit, at most until the deadline); `check`, whether
+    the record is still in progress, read after the lock (a statement's snapshot is taken
+    when it starts, so the lock and the read cannot be one statement); if it is, the
+    notification, at most until the deadline; then `unwatch`. A settle either meets the
+    mark and notifies a listener, or holds the mark to its commit, which the lock then waits
+    for, so the read sees it: no settle falls between the read and the wait. A failure on
+    the way leaves the connection to be closed, which ends its LISTEN and lock with it."""
+
+    def __init__(self, dialect: PostgresDialect, scope: Scope, deadline: float) -> None:
+        self.deadline = deadline
+        key = dialect.wake_key(scope)
+        channel = f"idempo_wake_{key}"
+        mark = f"{WAKE_CLASS}, {key}"
+        # Numbers and a name of ours only: sent as text (several statements in one round
+        # trip; the lock's timeout is the transaction's own, so the session's stays as set).
+        self.listen = f"LISTEN {channel}"
+        self.unwatch = f"SELECT pg_advisory_unlock_shared({mark}); UNLISTEN {channel}"
+        self.lock_at = f"pg_advisory_lock_shared({mark})"
+        self.check = (
+            f"SELECT 1 FROM {dialect.table} WHERE {dialect.where_scope}"
+            " AND state = 'in_progress' AND lease_expires_at > statement_timestamp()"
+        )
+        self.params = dialect.scope_params(scope)
+
+    def left(self) -> float:
+        """Seconds until the deadline (0 once past it)."""
+        return max(self.deadline - monotonic(), 0.0)
+
+    def lock(self) -> str:
+        """The shared lock on the mark, waiting no longer than what is left."""
+        wait = pg_ms(timedelta(seconds=self.left()))
+        return f"BEGIN; SET LOCAL lock_timeout = '{wait}'; SELECT {self.lock_at}; COMMIT"
