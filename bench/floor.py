@@ -1,14 +1,16 @@
 """`make bench`: every benchmark family in one run, and one table of each path against the
 goal issue 15 sets for it (docs/benchmarks.md, "distance to the floor").
 
-    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,wake]
+    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,http,wake]
 
 Each family runs in a process of its own (bench/<script>.py, ``--quick`` unless ``--full``)
 and prints its own tables as it goes; each reports its paths to this run's table
 (bench/_report.py). ``asgi`` counts instructions under valgrind, which the machine's load
 does not move; the others are ratios of calls/s measured in the same run, so read them on a
-quiet machine. A family that cannot run (a server down, valgrind missing) is said so and the
-rest go on.
+quiet machine. ``http`` serves the same app under uvicorn and drives it with wrk
+(bench/asgi_middleware.py: idempo against the bare endpoint and the peer
+asgi-idempotency-header, which only the bench dependency group installs). A family that
+cannot run (a server down, valgrind or wrk missing) is said so and the rest go on.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ FAMILIES: dict[str, list[str]] = {
     "redis": ["redis_store.py"],
     "postgres": ["postgres_tx.py"],
     "asgi": ["asgi_overhead.py", "--instructions", "--loop", "asyncio"],
+    "http": ["asgi_middleware.py"],
     "wake": ["wake_latency.py"],
 }
-QUICK = {"redis", "postgres"}  # the families whose scripts take --quick
+QUICK = {"redis", "postgres", "http"}  # the families whose scripts take --quick
 
 
 def run_family(name: str, full: bool, report: Path) -> int:
