@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import weakref
 from collections.abc import Awaitable
 from types import TracebackType
 from typing import Protocol
@@ -49,12 +51,78 @@ class AsyncAttempt(Protocol):
 _finishing: set[asyncio.Task[None]] = set()
 
 
+class _Wheel:
+    """The renewals due on one event loop, under one timer: the earliest's.
+
+    Most work ends long before its first renewal is due, so starting and stopping one must
+    cost little: a dict insert and a pop, where a timer of its own (``call_later``, a push
+    on the loop's heap among every other timer, then its cancel) cost more than the rest of
+    starting the work. Renewals of one period are kept in the order they fall due: each is
+    due that period after it was added, and the loop's clock only goes forward.
+    """
+
+    __slots__ = ("__weakref__", "at", "due", "loop", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.due: dict[float, dict[Renewal, float]] = {}  # period -> renewal -> when due
+        self.timer: asyncio.TimerHandle | None = None
+        self.at = math.inf  # when the timer fires
+
+    def add(self, renewal: Renewal, every: float) -> None:
+        at = self.loop.time() + every
+        waiting = self.due.get(every)
+        if waiting is None:
+            waiting = self.due[every] = {}
+        waiting[renewal] = at
+        if at < self.at:
+            self._arm(at)
+
+    def discard(self, renewal: Renewal, every: float) -> None:
+        waiting = self.due.get(every)
+        if waiting is not None:
+            waiting.pop(renewal, None)
+
+    def _arm(self, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.at = at
+        self.timer = self.loop.call_at(at, self._tick)
+
+    def _tick(self) -> None:
+        self.timer, self.at = None, math.inf
+        now, earliest = self.loop.time(), math.inf
+        for every, waiting in list(self.due.items()):
+            while waiting:
+                renewal, at = next(iter(waiting.items()))
+                if at > now:
+                    earliest = min(earliest, at)
+                    break
+                del waiting[renewal]
+                renewal._due()
+            if not waiting:
+                del self.due[every]
+        if earliest < math.inf:
+            self._arm(earliest)
+
+
+_wheels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Wheel] = weakref.WeakKeyDictionary()
+
+
+def _wheel() -> _Wheel:
+    loop = asyncio.get_running_loop()
+    wheel = _wheels.get(loop)
+    if wheel is None:
+        wheel = _wheels[loop] = _Wheel(loop)
+    return wheel
+
+
 class Renewal:
     """Extends an async attempt's lease every ``every`` seconds until stopped.
 
     Start it in the task that runs the work: that task is cancelled if the lease is lost.
-    Most work finishes long before the first renewal is due, so a timer waits for it, and a
-    task is only made when one is.
+    Most work finishes long before the first renewal is due, so it waits on the loop's one
+    timer for renewals (`_Wheel`), and a task is only made when one is due.
 
         async with Renewal(attempt, every, logger):
             await work()        # a lost lease raises FencedError here
@@ -65,7 +133,7 @@ class Renewal:
         self._every = every
         self._logger = logger
         self._stopped = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._wheel: _Wheel | None = None
         self._task: asyncio.Task[None] | None = None
         self._work: asyncio.Task[object] | None = None
         self._cancelling = 0
@@ -78,11 +146,14 @@ class Renewal:
         self._schedule()
 
     def _schedule(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(self._every, self._due)
+        if self._wheel is None:
+            self._wheel = _wheel()
+        self._wheel.add(self, self._every)
 
     def _due(self) -> None:
         if not self._stopped:
-            self._task = asyncio.get_running_loop().create_task(self._renew())
+            assert self._wheel is not None
+            self._task = self._wheel.loop.create_task(self._renew())
 
     async def _renew(self) -> None:
         try:
@@ -110,8 +181,8 @@ class Renewal:
         goes straight on to release its key. A renewal still in flight finishes by itself
         and changes nothing: renewals are fenced on the token and on the lease being live."""
         self._stopped = True
-        if self._timer is not None:
-            self._timer.cancel()
+        if self._wheel is not None:
+            self._wheel.discard(self, self._every)
         task, self._task = self._task, None
         if task is not None and not task.done():
             _finishing.add(task)

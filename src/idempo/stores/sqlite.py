@@ -342,15 +342,17 @@ class SQLiteStore(SqlStore):
         if at_once and self.path == ":memory:":
             return None  # that connection would be a private, empty database
         dialect = self.dialect
-        # The same clock rule as the reservation's (an injected time, else the host's).
-        fixed = dialect.fix_now(op)
         try:
             conn = self._connection(self._at_once if at_once else None)
             # fetchall: the statement runs to its end, so no read snapshot stays open.
             rows = conn.execute(dialect.select_sql, dialect.scope_params(op.scope)).fetchall()
         except (sqlite3.Error, StoreError):
             return None
-        return dialect.answered(rows, fixed)
+        if not rows:
+            return None  # a fresh key: the clock is read by the reservation, under its lock
+        # Judged on the same clock rule as the reservation (an injected time, else the
+        # host's), read after the record was.
+        return dialect.answered(rows, dialect.fix_now(op))
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):

@@ -94,9 +94,9 @@ class SQLiteDialect(SqlDialect):
         settled record or a mismatch, as `judge` tells the reservation itself. None for the
         rest (no record, one in progress, expired, or one that cannot be read): the
         reservation decides those, atomically."""
+        assert op.now is not None
         if not rows:
             return None
-        assert op.now is not None
         try:
             verdict = judge(self.record(rows[0], op.scope), op.fingerprint, op.now)
         except CorruptRecordError:
