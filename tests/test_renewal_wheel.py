@@ -4,7 +4,9 @@ each still renews on its own period, and a stopped one never renews again."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import weakref
 
 from idempo import Scope
 from idempo._core.renewal import Renewal
@@ -52,3 +54,18 @@ def test_renewals_of_several_periods_share_the_loops_timer() -> None:
         assert len(fast.renewed) == count
 
     asyncio.run(scenario())
+
+
+def test_the_wheel_lives_and_dies_with_its_loop() -> None:
+    """A loop that renewed (one renewal left unstopped, even) is not kept alive by it."""
+    loop = asyncio.new_event_loop()
+    seen = weakref.ref(loop)
+
+    async def scenario() -> None:
+        Renewal(_Attempt("left"), 60.0, logging.getLogger("test")).start()
+
+    loop.run_until_complete(scenario())
+    loop.close()
+    del loop
+    gc.collect()
+    assert seen() is None

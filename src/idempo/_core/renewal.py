@@ -14,10 +14,10 @@ hold, and the fenced outcome tells the holder if it did not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
-import weakref
 from collections.abc import Awaitable
 from types import TracebackType
 from typing import Protocol
@@ -61,7 +61,7 @@ class _Wheel:
     due that period after it was added, and the loop's clock only goes forward.
     """
 
-    __slots__ = ("__weakref__", "at", "due", "loop", "timer")
+    __slots__ = ("at", "due", "loop", "timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -106,14 +106,20 @@ class _Wheel:
             self._arm(earliest)
 
 
-_wheels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Wheel] = weakref.WeakKeyDictionary()
+# Where a loop keeps its wheel: on the loop itself, so that the wheel, its timer and the
+# renewals waiting in it live and die with the loop (a global table of loops would keep a
+# closed loop alive through the renewals it still holds).
+_ON_LOOP = "_idempo_renewals"
 
 
 def _wheel() -> _Wheel:
     loop = asyncio.get_running_loop()
-    wheel = _wheels.get(loop)
+    wheel: _Wheel | None = getattr(loop, _ON_LOOP, None)
     if wheel is None:
-        wheel = _wheels[loop] = _Wheel(loop)
+        wheel = _Wheel(loop)
+        # A loop that takes no attributes gets a wheel per renewal: correct, only unshared.
+        with contextlib.suppress(AttributeError):
+            setattr(loop, _ON_LOOP, wheel)
     return wheel
 
 
