@@ -45,8 +45,16 @@ pytest: $(STAMP)
 	IDEMPO_TEST_REQUIRE_ALL=1 $(BIN)/python -m pytest
 
 # Every family of benchmarks, then one table of each path against its goal (bench/floor.py).
+# The HTTP family drives its servers with wrk: installed from Debian's packages when it is
+# missing (issue 15), and only skipped, with a word, where apt cannot install it.
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet --group bench -e .
+	@command -v wrk >/dev/null 2>&1 || { \
+		echo "make bench: wrk is missing; installing it (apt-get install wrk) ..."; \
+		{ apt-get install -y -qq wrk >/dev/null 2>&1 \
+			|| { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq wrk >/dev/null 2>&1; }; } \
+		|| echo "make bench: could not install wrk (no apt, or not root): the http family is skipped"; \
+	}
 	$(BIN)/python bench/floor.py
 
 clean:

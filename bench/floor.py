@@ -1,14 +1,17 @@
 """`make bench`: every benchmark family in one run, and one table of each path against the
 goal issue 15 sets for it (docs/benchmarks.md, "distance to the floor").
 
-    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,wake]
+    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,http,wake]
 
 Each family runs in a process of its own (bench/<script>.py, ``--quick`` unless ``--full``)
 and prints its own tables as it goes; each reports its paths to this run's table
 (bench/_report.py). ``asgi`` counts instructions under valgrind, which the machine's load
 does not move; the others are ratios of calls/s measured in the same run, so read them on a
-quiet machine. A family that cannot run (a server down, valgrind missing) is said so and the
-rest go on.
+quiet machine. ``http`` serves the same app under uvicorn and drives it with wrk
+(bench/asgi_middleware.py: idempo against the bare endpoint and the peer
+asgi-idempotency-header, which only the bench dependency group installs). A family that
+cannot run (a server down, valgrind missing) is said so and the rest go on; without wrk
+the http family is skipped, which fails nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,12 +30,21 @@ FAMILIES: dict[str, list[str]] = {
     "redis": ["redis_store.py"],
     "postgres": ["postgres_tx.py"],
     "asgi": ["asgi_overhead.py", "--instructions", "--loop", "asyncio"],
+    "http": ["asgi_middleware.py"],
     "wake": ["wake_latency.py"],
 }
-QUICK = {"redis", "postgres"}  # the families whose scripts take --quick
+QUICK = {"redis", "postgres", "http"}  # the families whose scripts take --quick
+# The program a family cannot run without; missing, the family is skipped, not failed
+# (`make bench` installs wrk where apt can).
+NEEDS = {"http": "wrk"}
 
 
-def run_family(name: str, full: bool, report: Path) -> int:
+def run_family(name: str, full: bool, report: Path) -> int | None:
+    """The family's exit status; None when it was skipped."""
+    needed = NEEDS.get(name)
+    if needed is not None and shutil.which(needed) is None:
+        print(f"\n=== {name}: skipped ({needed} is not installed)", flush=True)
+        return None
     command = [sys.executable, str(HERE / FAMILIES[name][0]), *FAMILIES[name][1:]]
     if name in QUICK and not full:
         command.append("--quick")
@@ -48,7 +61,7 @@ def verdict(row: dict[str, object]) -> str:
     return "met" if met else "MISSED"
 
 
-def print_table(rows: list[dict[str, object]], failed: list[str]) -> None:
+def print_table(rows: list[dict[str, object]], failed: list[str], skipped: list[str]) -> None:
     print("\n=== distance to the floor (issue 15's goals)")
     print(f"{'family':<9}{'path':<62}{'measured':>10}{'goal':>9}  {'':<7}{'round trips':>11}")
     for row in rows:
@@ -65,6 +78,8 @@ def print_table(rows: list[dict[str, object]], failed: list[str]) -> None:
         )
     for name in failed:
         print(f"{name:<9}did not run to its end (see its output above)")
+    for name in skipped:
+        print(f"{name:<9}skipped: {NEEDS[name]} is not installed")
 
 
 def main() -> None:
@@ -79,9 +94,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="idempo-bench-") as tmp:
         report = Path(tmp) / "rows.jsonl"
         report.touch()
-        failed = [name for name in names if run_family(name, args.full, report) != 0]
+        status = {name: run_family(name, args.full, report) for name in names}
         rows = [json.loads(line) for line in report.read_text().splitlines()]
-    print_table(rows, failed)
+    failed = [name for name, code in status.items() if code not in (0, None)]
+    skipped = [name for name, code in status.items() if code is None]
+    print_table(rows, failed, skipped)
     sys.exit(1 if failed else 0)
 
 

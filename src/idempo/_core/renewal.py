@@ -14,7 +14,9 @@ hold, and the fenced outcome tells the holder if it did not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import threading
 from collections.abc import Awaitable
 from types import TracebackType
@@ -49,12 +51,84 @@ class AsyncAttempt(Protocol):
 _finishing: set[asyncio.Task[None]] = set()
 
 
+class _Wheel:
+    """The renewals due on one event loop, under one timer: the earliest's.
+
+    Most work ends long before its first renewal is due, so starting and stopping one must
+    cost little: a dict insert and a pop, where a timer of its own (``call_later``, a push
+    on the loop's heap among every other timer, then its cancel) cost more than the rest of
+    starting the work. Renewals of one period are kept in the order they fall due: each is
+    due that period after it was added, and the loop's clock only goes forward.
+    """
+
+    __slots__ = ("at", "due", "loop", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.due: dict[float, dict[Renewal, float]] = {}  # period -> renewal -> when due
+        self.timer: asyncio.TimerHandle | None = None
+        self.at = math.inf  # when the timer fires
+
+    def add(self, renewal: Renewal, every: float) -> None:
+        at = self.loop.time() + every
+        waiting = self.due.get(every)
+        if waiting is None:
+            waiting = self.due[every] = {}
+        waiting[renewal] = at
+        if at < self.at:
+            self._arm(at)
+
+    def discard(self, renewal: Renewal, every: float) -> None:
+        waiting = self.due.get(every)
+        if waiting is not None:
+            waiting.pop(renewal, None)
+
+    def _arm(self, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.at = at
+        self.timer = self.loop.call_at(at, self._tick)
+
+    def _tick(self) -> None:
+        self.timer, self.at = None, math.inf
+        now, earliest = self.loop.time(), math.inf
+        for every, waiting in list(self.due.items()):
+            while waiting:
+                renewal, at = next(iter(waiting.items()))
+                if at > now:
+                    earliest = min(earliest, at)
+                    break
+                del waiting[renewal]
+                renewal._due()
+            if not waiting:
+                del self.due[every]
+        if earliest < math.inf:
+            self._arm(earliest)
+
+
+# Where a loop keeps its wheel: on the loop itself, so that the wheel, its timer and the
+# renewals waiting in it live and die with the loop (a global table of loops would keep a
+# closed loop alive through the renewals it still holds).
+_ON_LOOP = "_idempo_renewals"
+
+
+def _wheel() -> _Wheel:
+    loop = asyncio.get_running_loop()
+    wheel: _Wheel | None = getattr(loop, _ON_LOOP, None)
+    if wheel is None:
+        wheel = _Wheel(loop)
+        # A loop that takes no attributes gets a wheel per renewal: correct, only unshared.
+        with contextlib.suppress(AttributeError):
+            setattr(loop, _ON_LOOP, wheel)
+    return wheel
+
+
 class Renewal:
     """Extends an async attempt's lease every ``every`` seconds until stopped.
 
     Start it in the task that runs the work: that task is cancelled if the lease is lost.
-    Most work finishes long before the first renewal is due, so a timer waits for it, and a
-    task is only made when one is.
+    Most work finishes long before the first renewal is due, so it waits on the loop's one
+    timer for renewals (`_Wheel`), and a task is only made when one is due.
 
         async with Renewal(attempt, every, logger):
             await work()        # a lost lease raises FencedError here
@@ -65,7 +139,7 @@ class Renewal:
         self._every = every
         self._logger = logger
         self._stopped = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._wheel: _Wheel | None = None
         self._task: asyncio.Task[None] | None = None
         self._work: asyncio.Task[object] | None = None
         self._cancelling = 0
@@ -78,11 +152,14 @@ class Renewal:
         self._schedule()
 
     def _schedule(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(self._every, self._due)
+        if self._wheel is None:
+            self._wheel = _wheel()
+        self._wheel.add(self, self._every)
 
     def _due(self) -> None:
         if not self._stopped:
-            self._task = asyncio.get_running_loop().create_task(self._renew())
+            assert self._wheel is not None
+            self._task = self._wheel.loop.create_task(self._renew())
 
     async def _renew(self) -> None:
         try:
@@ -110,8 +187,8 @@ class Renewal:
         goes straight on to release its key. A renewal still in flight finishes by itself
         and changes nothing: renewals are fenced on the token and on the lease being live."""
         self._stopped = True
-        if self._timer is not None:
-            self._timer.cancel()
+        if self._wheel is not None:
+            self._wheel.discard(self, self._every)
         task, self._task = self._task, None
         if task is not None and not task.done():
             _finishing.add(task)

@@ -136,14 +136,19 @@ def canonical_parts(
     request_body: bytes,
     fields: Collection[FingerprintField] = DEFAULT_FINGERPRINT_FIELDS,
     headers: Collection[str] = (),
+    *,
+    content_type: Sequence[bytes] | None = None,
 ) -> bytes:
     """`canonical_request` of a request given in parts, for adapters that would otherwise
-    build an `HttpRequest` on every request only to take it apart here."""
+    build an `HttpRequest` on every request only to take it apart here. ``content_type``:
+    the request's ``Content-Type`` values, where the adapter found them already (else they
+    are looked up in ``request_headers``)."""
     parts: dict[str, Any] = {}
     # Filled in sort_keys order: body, headers, method, path, query, v.
     if "body" in fields:
-        content_type = b", ".join(header_values(request_headers, b"content-type"))
-        body = _canonical_body(request_body, content_type)
+        if content_type is None:
+            content_type = header_values(request_headers, b"content-type")
+        body = _canonical_body(request_body, b", ".join(content_type))
         parts["body"] = hashlib.sha256(body).hexdigest()
     if headers:
         parts["headers"] = {

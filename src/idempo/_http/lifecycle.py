@@ -68,9 +68,12 @@ __all__ = [
 
 logger = logging.getLogger("idempo.http")
 
-READ_HEADERS = frozenset({KEY_HEADER, b"content-length", b"authorization", b"cookie"})
+READ_HEADERS = frozenset(
+    {KEY_HEADER, b"content-length", b"content-type", b"authorization", b"cookie"}
+)
 """The request headers the lifecycle reads: an adapter finds them in one pass
-(`idempo._http.keys.headers_named`) and hands them on as ``named``."""
+(`idempo._http.keys.headers_named`) and hands them on as ``named`` (the fingerprint reads
+the body's type there, not in a second pass over the headers)."""
 
 Result = HttpResponse | UnkeptResponse | None
 """What a run settles with: a whole response, one too large to keep, or None (no response:
@@ -148,7 +151,7 @@ class Lifecycle:
         # The route-template hook (`idempo._http.routes`): the app's ``routes=`` or the
         # adapter's default for its framework, called with the framework's request.
         self.routes = routes
-        # The headers a request is read for: the key's (``key_header=``) and the size,
+        # The headers a request is read for: the key's (``key_header=``) and the size, type,
         # authorization and cookie ones.
         self.read_headers = (READ_HEADERS - {KEY_HEADER}) | {settings.key_header}
 
@@ -413,6 +416,7 @@ class Lifecycle:
                 request.body,
                 settings.fingerprint_fields,
                 settings.fingerprint_headers,
+                content_type=request.named.get(b"content-type", ()),
             ),
             principal=principal,
             conn=conn,

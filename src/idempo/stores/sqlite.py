@@ -1,8 +1,10 @@
 """SQLite store: an embedded file, WAL mode, safe across threads and processes.
 
-Every verb runs in a ``BEGIN IMMEDIATE`` transaction, so reservation is atomic across
-processes sharing the file. Transactional mode runs on the app's own ``sqlite3.Connection``
-(or a SQLAlchemy session on SQLite).
+Every verb that writes runs in a ``BEGIN IMMEDIATE`` transaction, so reservation is atomic
+across processes sharing the file. A reservation first reads the record, without a
+transaction or the writer lock: a settled record is replayed (and a mismatch refused) from
+that one read, and anything else goes on to the reserving write. Transactional mode runs on
+the app's own ``sqlite3.Connection`` (or a SQLAlchemy session on SQLite).
 
     store = SQLiteStore("app.db")
     store.migrate()
@@ -14,12 +16,14 @@ import asyncio
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
+from .._core.ops import Reserve, StoreOp
+from .._core.record import Mismatch, Replay
 from ..errors import StoreError, StoreUnavailableError
 from . import schema_missing
 from ._sql.binding import sqlalchemy_connection
@@ -44,6 +48,7 @@ from ._sql.transaction import (
     TxGen,
     Undo,
     bound,
+    done_at_once,
     execute,
     mapped,
     unit_logic,
@@ -245,7 +250,8 @@ class SQLiteStore(SqlStore):
         read_only: bool = False,
         create: bool = True,
     ) -> None:
-        super().__init__(SQLiteDialect(table))
+        self.dialect: SQLiteDialect = SQLiteDialect(table)
+        super().__init__(self.dialect)
         self.path = path
         self._busy_timeout = busy_timeout
         self.read_only = read_only
@@ -317,6 +323,36 @@ class SQLiteStore(SqlStore):
             with self._lock:
                 self._connections.append(conn)
         return conn
+
+    def perform(self, op: StoreOp) -> Any:
+        if type(op) is Reserve:
+            answer = self.answered(op)
+            if answer is not None:
+                return answer
+        return super().perform(op)
+
+    def answered(self, op: Reserve, *, at_once: bool = False) -> Replay | Mismatch | None:
+        """The reservation ``op``'s answer if one read of its record gives it: a settled
+        record's replay, or a mismatch (`SQLiteDialect.answered`). The read takes neither a
+        write transaction nor this process's writer lock, and in WAL mode it never waits for
+        another writer. None: the reservation must write (no record, one in progress or
+        expired) or the read failed (the reservation then says why), and it decides again,
+        atomically, on its own clock reading. ``at_once``: read on the connection that never
+        waits (`run_now`'s), as the event loop's thread does."""
+        if at_once and self.path == ":memory:":
+            return None  # that connection would be a private, empty database
+        dialect = self.dialect
+        try:
+            conn = self._connection(self._at_once if at_once else None)
+            # fetchall: the statement runs to its end, so no read snapshot stays open.
+            rows = conn.execute(dialect.select_sql, dialect.scope_params(op.scope)).fetchall()
+        except (sqlite3.Error, StoreError):
+            return None
+        if not rows:
+            return None  # a fresh key: the clock is read by the reservation, under its lock
+        # Judged on the same clock rule as the reservation (an injected time, else the
+        # host's), read after the record was.
+        return dialect.answered(rows, dialect.fix_now(op))
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
@@ -449,6 +485,14 @@ class AsyncSQLiteStore(AsyncSqlStore):
         # Each operation of the guard's runs at once when the file is free (`run_now`),
         # else in a worker thread that waits for it.
         super().__init__(self._sync.dialect, now=self._sync.run_now)
+
+    def perform(self, op: StoreOp) -> Awaitable[Any]:
+        if type(op) is Reserve:
+            # A settled record is answered from one read on the loop's thread.
+            answer = self._sync.answered(op, at_once=True)
+            if answer is not None:
+                return done_at_once(answer)
+        return super().perform(op)
 
     async def run(self, gen: TxGen[T]) -> T:
         # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn

@@ -7,8 +7,9 @@ from functools import cached_property
 from typing import Any
 
 from ..._core.ops import Renew, Reserve, Settle
-from ..._core.record import Acquired, InProgress, Reservation, judge
-from .dialect import COLUMNS, SqlDialect, SqlGen, Statement
+from ..._core.record import Acquired, InProgress, Mismatch, Replay, Reservation, judge
+from ...errors import CorruptRecordError
+from .dialect import COLUMNS, Rows, SqlDialect, SqlGen, Statement
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -86,6 +87,21 @@ class SQLiteDialect(SqlDialect):
             return InProgress(retry_after=min(op.lease.total_seconds(), 1.0))
         record = self.record(rows[0], op.scope)
         return judge(record, op.fingerprint, op.now) or InProgress(retry_after=0.0)
+
+    def answered(self, rows: Rows, op: Reserve) -> Replay | Mismatch | None:
+        """What the record in ``rows`` (`select_sql`'s, read at ``op.now``, fixed by
+        `fix_now`) means for the reservation ``op``, if that takes no write: the replay of a
+        settled record or a mismatch, as `judge` tells the reservation itself. None for the
+        rest (no record, one in progress, expired, or one that cannot be read): the
+        reservation decides those, atomically."""
+        assert op.now is not None
+        if not rows:
+            return None
+        try:
+            verdict = judge(self.record(rows[0], op.scope), op.fingerprint, op.now)
+        except CorruptRecordError:
+            return None  # the reservation's own judging says what it means
+        return verdict if isinstance(verdict, Replay | Mismatch) else None
 
     def lock(self, op: Renew) -> SqlGen[bool]:
         # The write lock is SQLite's only lock: the renewal's own write takes it.

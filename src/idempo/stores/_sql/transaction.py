@@ -793,7 +793,7 @@ class AsyncUnit(_Verbs):
             except TransactionConflict as conflict:
                 raise conflict.error from None
             if done is not NOT_NOW:
-                return _returning(done)
+                return done_at_once(done)
         return self._perform(gen)
 
     async def _perform(self, gen: TxGen[Any]) -> Any:
@@ -807,7 +807,8 @@ async def _nothing() -> bool:
     return False
 
 
-async def _returning(value: Any) -> Any:
+async def done_at_once(value: Any) -> Any:
+    """``value``, as an awaitable that never suspends (the async driver awaits it inline)."""
     return value
 
 
