@@ -32,6 +32,7 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Generic,
+    NamedTuple,
     ParamSpec,
     Required,
     TypedDict,
@@ -746,6 +747,30 @@ class IdempotentOptions(TypedDict, total=False):
     renew_every: float | timedelta | None
 
 
+_MISSING = inspect.Parameter.empty
+
+
+class _Plain(NamedTuple):
+    """A signature whose parameters can all be named: their names and defaults in order
+    (`_MISSING`: none), how many may be given by position, and the names as a set."""
+
+    names: tuple[str, ...]
+    rest: tuple[tuple[str, Any], ...]
+    positional: int
+    known: frozenset[str]
+
+
+def _plain_parameters(signature: inspect.Signature) -> _Plain | None:
+    params = list(signature.parameters.values())
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if not all(p.kind in named for p in params):
+        return None
+    names = tuple(p.name for p in params)
+    positional = sum(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    rest = tuple((p.name, p.default) for p in params)
+    return _Plain(names, rest, positional, frozenset(names))
+
+
 class _Decorated:
     """How a decorated function's arguments give key, payload, principal and connection."""
 
@@ -762,6 +787,7 @@ class _Decorated:
         renew_every: float | timedelta | None,
     ) -> None:
         self.signature = inspect.signature(fn)
+        self._plain = _plain_parameters(self.signature)
         for name in (key, conn):
             if isinstance(name, str) and name not in self.signature.parameters:
                 raise ConfigurationError(f"{fn.__qualname__} has no parameter {name!r}")
@@ -773,10 +799,38 @@ class _Decorated:
         self.serializer = serializer or return_serializer(fn)
         self.renew_every = renew_every
 
-    def resolve(self, args: Any, kwargs: Any) -> dict[str, Any]:
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Each parameter's argument, defaults applied, in the signature's order: what
+        ``Signature.bind`` and ``apply_defaults`` give, which cost a guarded call more than
+        its reservation's Python. Matched here when every parameter is named (no ``*args``,
+        ``**kwargs`` or positional-only ones); any call this cannot match (a missing, an
+        unknown or a repeated argument) goes to ``bind``, which raises as Python would.
+
+        >>> def pay(order_id, amount=1, *, note=""): ...
+        >>> _Decorated(pay, key="order_id", operation=None, payload=None, principal="",
+        ...            conn=None, serializer=None, renew_every=None).arguments(("o-1",), {})
+        {'order_id': 'o-1', 'amount': 1, 'note': ''}
+        """
+        plain = self._plain
+        if plain is not None and len(args) <= plain.positional:
+            named = dict(zip(plain.names, args, strict=False))  # the first len(args) names
+            used = len(named)
+            for name, default in plain.rest[used:]:
+                value = kwargs.get(name, default)
+                if value is _MISSING:
+                    break
+                named[name] = value
+            else:
+                if not kwargs or (
+                    kwargs.keys() <= plain.known and kwargs.keys().isdisjoint(plain.names[:used])
+                ):
+                    return named
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        named = bound.arguments
+        return bound.arguments
+
+    def resolve(self, args: Any, kwargs: Any) -> dict[str, Any]:
+        named = self.arguments(args, kwargs)
         key = named[self.key] if isinstance(self.key, str) else self.key(*args, **kwargs)
         if self.payload is not None:
             payload = self.payload(*args, **kwargs)
