@@ -17,7 +17,7 @@ import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from datetime import timedelta
-from functools import lru_cache
+from functools import lru_cache, partial
 from time import monotonic
 from typing import Any, Self, TypeVar
 
@@ -40,13 +40,7 @@ from ..errors import (
 from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
 from ._sql.binding import sqlalchemy_connection
 from ._sql.dialect import FENCED_MARKER, Statement, pyformat
-from ._sql.postgres import (
-    PG_AGAIN_LOCK_TIMEOUT,
-    PG_RESTORE_LOCK_TIMEOUT,
-    PG_SET_LOCK_TIMEOUT,
-    PostgresDialect,
-    pg_ms,
-)
+from ._sql.postgres import PostgresDialect, pg_ms
 from ._sql.transaction import (
     SAVEPOINT,
     AsyncSqlStore,
@@ -65,11 +59,11 @@ from ._sql.transaction import (
     TransactionEnded,
     TxGen,
     Undo,
-    abound,
+    UnitLogic,
     aexecute,
-    bound,
     execute,
     mapped,
+    unit_logic,
 )
 from ._watchdog import Watchdog
 from .base import Mode
@@ -118,9 +112,6 @@ Queued = tuple[str, Any]
 _SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}", None)
 _RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}", None)
 _UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", None)
-_SET_LOCK_TIMEOUT = pyformat(PG_SET_LOCK_TIMEOUT)
-_AGAIN_LOCK_TIMEOUT = pyformat(PG_AGAIN_LOCK_TIMEOUT)
-_RESTORE_LOCK_TIMEOUT: Queued = (PG_RESTORE_LOCK_TIMEOUT, None)
 _SET_SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(ms)s, false)"
 # The lock timeout the store set on one of its own connections (an attribute of it).
 _LOCK_TIMEOUT_SET = "_idempo_lock_timeout"
@@ -146,23 +137,20 @@ class _Batch:
     pipeline (a pipeline costs an extra Sync, worth it only to save a round trip).
 
     In transactional mode the reservation leaves in one pipeline with all that surrounds it:
-    BEGIN with the connection's own isolation level, read-only and deferrable settings, the
-    reservation's lock timeout (the app's restored right after it), and the savepoint the
-    work's writes can be rolled back to. The savepoint is taken at once, before the answer is
-    known: a reservation that does not need it ends its transaction with it.
+    BEGIN with the connection's own isolation level, read-only and deferrable settings, and
+    the savepoint the work's writes can be rolled back to (the reservation's statement sets
+    its own lock timeout and puts the app's back). The savepoint is taken at once, before the
+    answer is known: a reservation that does not need it ends its transaction with it.
     """
 
-    def __init__(
-        self, conn: Any, lock_timeout: timedelta, on_store: Any, *, app: bool = False
-    ) -> None:
+    def __init__(self, conn: Any, on_store: Any, *, app: bool = False) -> None:
         self.conn = conn
         self.on_store = on_store
         # On the app's connection a serialization failure or deadlock is the app's to see.
         self.app = app
         self.pending: list[Queued] = []
         self.result_at = -1  # which pending statement's rows the caller waits for
-        self.default_wait = _pg_ms(lock_timeout)
-        self.reserving: str | None = None  # the reservation's lock timeout, while it runs
+        self.reserving = False  # the reservation's statements follow, in the transaction
         self.marked = False  # the savepoint follows the reservation's last statement
         self.flip = False  # send with autocommit on, then give the app back its "off"
         self.answer: Any = None  # what `need` answered, when nothing was left to do
@@ -185,33 +173,27 @@ class _Batch:
             # With autocommit off psycopg would send a BEGIN of its own first, a round trip
             # apart; it is off again as soon as ours is sent.
             self.flip = not conn.autocommit
-        if op.reserves:
-            wait = self.default_wait if op.lock_timeout is None else _pg_ms(op.lock_timeout)
-            self.pending.append((_SET_LOCK_TIMEOUT, {"ms": wait}))
-            self.reserving = wait
+        self.reserving = op.reserves
         return began
 
     def statement(self, sql: str, params: Any) -> None:
         pending = self.pending
-        if self.reserving is None:
+        if not self.reserving:
             pending.append((sql, params))
             self.result_at = len(pending) - 1
             return
         if self.marked:
             # The reservation asks again: the savepoint moves behind its new statement.
-            pending += [_RELEASE, (_AGAIN_LOCK_TIMEOUT, {"ms": self.reserving})]
-        pending.append((sql, params))
-        self.result_at = len(pending) - 1
-        pending += [_RESTORE_LOCK_TIMEOUT, _SAVEPOINT]
+            pending.append(_RELEASE)
+        pending += [(sql, params), _SAVEPOINT]
+        self.result_at = len(pending) - 2
         self.marked = True
 
     def mark(self) -> None:
         if not self.marked:
-            # The app's lock timeout comes back only where the reservation's replaced it.
-            restore = [_RESTORE_LOCK_TIMEOUT] if self.reserving is not None else []
-            self.pending += [*restore, _SAVEPOINT]
+            self.pending.append(_SAVEPOINT)
             self.marked = True
-        self.reserving = None
+        self.reserving = False
 
     def check(self) -> None:
         """The savepoint's release goes with the completion; it fails if the app ended the
@@ -248,7 +230,7 @@ class _Batch:
 
     def ended(self) -> None:
         """The transaction is over."""
-        self.reserving, self.marked, self.flip = None, False, False
+        self.reserving = self.marked = self.flip = False
 
     def translate(self, exc: BaseException) -> BaseException:
         """What a failure of sent statements means to the transaction's logic."""
@@ -321,11 +303,9 @@ class _PsycopgTx:
     this face only makes psycopg's calls. ``on_store`` is given for the app's connection (a
     guarded call), None for the store's own."""
 
-    def __init__(
-        self, conn: psycopg.Connection[Any], lock_timeout: timedelta, on_store: Any = None
-    ) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], on_store: Any = None) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, on_store, app=on_store is not None)
         self.pending = self.batch.pending
         self.error = error
 
@@ -383,11 +363,9 @@ class _PsycopgTx:
 class _AsyncPsycopgTx:
     """The asynchronous face of `_PsycopgTx`: the same calls, awaited."""
 
-    def __init__(
-        self, conn: psycopg.AsyncConnection[Any], lock_timeout: timedelta, on_store: Any = None
-    ) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection[Any], on_store: Any = None) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, on_store, app=on_store is not None)
         self.pending = self.batch.pending
         self.error = error
 
@@ -626,6 +604,16 @@ def _watchdog(connector: _Connector | None, read_timeout: timedelta | float | No
     return Watchdog(bound, _socket_of, _lock_wait, server="PostgreSQL")
 
 
+def _logic(dialect: PostgresDialect, mode: Mode, lock_timeout: timedelta | None) -> UnitLogic:
+    """The logic of a guarded call on the app's connection. In transactional mode the
+    reservation's statement sets its lock timeout itself (the policy's, or a caller's
+    shorter bound); leased mode reserves on the store's own connection."""
+    timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
+    if mode == "transactional":
+        return unit_logic(dialect.waiting(timeout), mode, timeout, dialect.waiting)
+    return unit_logic(dialect, mode, timeout)
+
+
 class PostgresStore(SqlStore):
     """A PostgreSQL store. Safe to share between threads; each verb borrows a pooled connection.
 
@@ -647,6 +635,8 @@ class PostgresStore(SqlStore):
 
     >>> store = PostgresStore("postgresql://postgres@127.0.0.1/test")  # doctest: +SKIP
     """
+
+    dialect: PostgresDialect
 
     def __init__(
         self,
@@ -701,7 +691,7 @@ class PostgresStore(SqlStore):
     def run(self, gen: TxGen[T]) -> T:
         try:
             with self._connection() as conn:
-                return execute(_PsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
+                return execute(_PsycopgTx(conn), gen)
         except psycopg.Error as exc:  # the pool's, the connection's: not the statements'
             raise error(exc) from exc
 
@@ -709,18 +699,16 @@ class PostgresStore(SqlStore):
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> SyncUnit:
         """A unit that runs a guarded call on the app's connection (psycopg or SQLAlchemy)."""
-        timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
+        logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.Connection):
-            return bound(self.dialect, mode, timeout, _PsycopgTx(conn, timeout, self.run))
+            return SyncUnit(logic, partial(execute, _PsycopgTx(conn, self.run)))
         conn = sqlalchemy_connection(
             conn, asynchronous=False, store="PostgresStore", driver="a psycopg.Connection"
         )
         from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = SqlAlchemyTx(
-            conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
-        )
-        return bound(self.dialect, mode, timeout, executor)
+        executor = SqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
+        return SyncUnit(logic, executor.run)
 
     def close(self) -> None:
         self._watchdog.close()
@@ -733,6 +721,8 @@ class AsyncPostgresStore(AsyncSqlStore):
 
     The pool opens on first use, inside the running event loop.
     """
+
+    dialect: PostgresDialect
 
     def __init__(
         self,
@@ -794,7 +784,7 @@ class AsyncPostgresStore(AsyncSqlStore):
     async def run(self, gen: TxGen[T]) -> T:
         try:
             async with self._connection() as conn:
-                return await aexecute(_AsyncPsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
+                return await aexecute(_AsyncPsycopgTx(conn), gen)
         except psycopg.Error as exc:
             raise error(exc) from exc
 
@@ -802,9 +792,9 @@ class AsyncPostgresStore(AsyncSqlStore):
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> AsyncUnit:
         """A unit that runs a guarded call on the app's async connection or session."""
-        timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
+        logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.AsyncConnection):
-            return abound(self.dialect, mode, timeout, _AsyncPsycopgTx(conn, timeout, self.run))
+            return AsyncUnit(logic, partial(aexecute, _AsyncPsycopgTx(conn, self.run)))
         conn = sqlalchemy_connection(
             conn,
             asynchronous=True,
@@ -813,10 +803,8 @@ class AsyncPostgresStore(AsyncSqlStore):
         )
         from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = AsyncSqlAlchemyTx(
-            conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
-        )
-        return abound(self.dialect, mode, timeout, executor)
+        executor = AsyncSqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
+        return AsyncUnit(logic, executor.run)
 
     async def aclose(self) -> None:
         self._watchdog.close()
