@@ -40,7 +40,7 @@ from ..errors import (
 from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
 from ._sql.binding import sqlalchemy_connection
 from ._sql.dialect import FENCED_MARKER, Statement, pyformat
-from ._sql.postgres import PostgresDialect, pg_ms
+from ._sql.postgres import UNHELD_MARKER, PostgresDialect, pg_ms
 from ._sql.transaction import (
     SAVEPOINT,
     AsyncSqlStore,
@@ -71,6 +71,7 @@ from .base import Mode
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
 T = TypeVar("T")
+C = TypeVar("C")
 
 _pyformat = lru_cache(maxsize=256)(pyformat)
 # Few distinct lock timeouts are ever asked for; a cached one costs no Python call.
@@ -112,6 +113,8 @@ Queued = tuple[str, Any]
 _SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}", None)
 _RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}", None)
 _UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", None)
+_BEGIN: Queued = ("BEGIN", None)
+_UNHELD: Queued = (PostgresDialect.UNHELD_SQL, None)
 _SET_SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(ms)s, false)"
 # The lock timeout the store set on one of its own connections (an attribute of it).
 _LOCK_TIMEOUT_SET = "_idempo_lock_timeout"
@@ -141,6 +144,19 @@ class _Batch:
     the savepoint the work's writes can be rolled back to (the reservation's statement sets
     its own lock timeout and puts the app's back). The savepoint is taken at once, before the
     answer is known: a reservation that does not need it ends its transaction with it.
+
+    When the guard begins the transaction and the connection leaves every transaction
+    setting to the server (isolation level, read-only, deferrable: None), the reservation
+    goes first and BEGIN behind it: ``reservation, unheld check, BEGIN, SAVEPOINT``.
+    PostgreSQL runs the statements before BEGIN in the implicit transaction of the pipeline,
+    which BEGIN turns into the explicit one, reservation included, with the session's default
+    isolation level (taken when the reservation started it). A reservation that took no key
+    (a replay, a mismatch, a duplicate in progress, a lost race) fails the check: the server
+    skips the rest and rolls that transaction back at the Sync, so a replay costs one round
+    trip and leaves the connection idle, as it found it. The price: the check's error is in
+    the server's log, once per replay. With settings of its own, BEGIN carries them and goes
+    first (they cannot be set once a statement ran), and a replay ends its transaction with
+    a COMMIT a round trip later.
     """
 
     def __init__(self, conn: Any, on_store: Any, *, app: bool = False) -> None:
@@ -151,6 +167,7 @@ class _Batch:
         self.pending: list[Queued] = []
         self.result_at = -1  # which pending statement's rows the caller waits for
         self.reserving = False  # the reservation's statements follow, in the transaction
+        self.implicit = False  # ... and BEGIN goes behind them (see above)
         self.marked = False  # the savepoint follows the reservation's last statement
         self.flip = False  # send with autocommit on, then give the app back its "off"
         self.answer: Any = None  # what `need` answered, when nothing was left to do
@@ -167,13 +184,14 @@ class _Batch:
                 " record in the connection's transaction; use mode='leased' or no conn"
             )
         began = self.idle()
-        if began:
+        self.reserving = op.reserves
+        self.implicit = began and op.reserves and not self.pending and _no_settings(conn)
+        if began and not self.implicit:
             begin = _begin(conn.isolation_level, conn.read_only, conn.deferrable)
             self.pending.append((begin, None))
             # With autocommit off psycopg would send a BEGIN of its own first, a round trip
             # apart; it is off again as soon as ours is sent.
             self.flip = not conn.autocommit
-        self.reserving = op.reserves
         return began
 
     def statement(self, sql: str, params: Any) -> None:
@@ -182,18 +200,24 @@ class _Batch:
             pending.append((sql, params))
             self.result_at = len(pending) - 1
             return
-        if self.marked:
-            # The reservation asks again: the savepoint moves behind its new statement.
-            pending.append(_RELEASE)
-        pending += [(sql, params), _SAVEPOINT]
-        self.result_at = len(pending) - 2
+        if self.implicit and self.idle():
+            # First, or again after a try that took nothing ended its transaction.
+            pending += [(sql, params), _UNHELD, _BEGIN, _SAVEPOINT]
+            self.result_at = len(pending) - 4
+            self.flip = not self.conn.autocommit
+        else:
+            if self.marked:
+                # The reservation asks again: the savepoint moves behind its new statement.
+                pending.append(_RELEASE)
+            pending += [(sql, params), _SAVEPOINT]
+            self.result_at = len(pending) - 2
         self.marked = True
 
     def mark(self) -> None:
         if not self.marked:
             self.pending.append(_SAVEPOINT)
             self.marked = True
-        self.reserving = False
+        self.reserving = self.implicit = False
 
     def check(self) -> None:
         """The savepoint's release goes with the completion; it fails if the app ended the
@@ -230,7 +254,18 @@ class _Batch:
 
     def ended(self) -> None:
         """The transaction is over."""
-        self.reserving = self.marked = self.flip = False
+        self.reserving = self.implicit = self.marked = self.flip = False
+
+    def outcome(self, cursors: list[C], at: int, failed: BaseException | None) -> C:
+        """The cursor of the awaited statement of a pipeline; raises what failed, unless
+        only the unheld check did: then the reservation's rows came back, and the
+        transaction it ran in is over (it held nothing, so nothing is lost)."""
+        if failed is None:
+            return cursors[at]
+        if isinstance(failed, pg_errors.InvalidTextRepresentation) and UNHELD_MARKER in str(failed):
+            self.marked = False
+            return cursors[at]
+        raise failed
 
     def translate(self, exc: BaseException) -> BaseException:
         """What a failure of sent statements means to the transaction's logic."""
@@ -263,6 +298,11 @@ class _Batch:
             self.undo()
             return _SEND
         if isinstance(op, Commit):
+            if not self.pending and self.idle():
+                # The reservation's transaction ended with it (it took no key): nothing to
+                # commit, and a COMMIT would only draw a warning.
+                self.ended()
+                return _DONE
             self.pending.append(("COMMIT", None))
             return _COMMIT
         if isinstance(op, Rollback):
@@ -274,6 +314,11 @@ class _Batch:
             self.answer = self.bound(op)
             return _DONE if self.answer is None else _BOUND
         raise AssertionError(f"unknown operation {op!r}")
+
+
+def _no_settings(conn: Any) -> bool:
+    """Whether the connection leaves every transaction setting to the server."""
+    return conn.isolation_level is None and conn.read_only is None and conn.deferrable is None
 
 
 _SAVEPOINT_GONE = (pg_errors.InvalidSavepointSpecification, pg_errors.NoActiveSqlTransaction)
@@ -350,9 +395,18 @@ class _PsycopgTx:
                 if len(pending) == 1:
                     sql, params = pending[0]
                     return conn.execute(sql, params, prepare=params is not None)
-                with conn.pipeline():
-                    cursors = [conn.execute(q, p, prepare=p is not None) for q, p in pending]
-                return cursors[at]
+                cursors: list[psycopg.Cursor[Any]] = []
+                failed: psycopg.Error | None = None
+                try:
+                    with conn.pipeline():
+                        try:  # caught inside, so that psycopg logs no error of its own
+                            for q, p in pending:
+                                cursors.append(conn.execute(q, p, prepare=p is not None))
+                        except psycopg.Error as exc:  # the server skips the rest
+                            failed = exc
+                except psycopg.Error as exc:  # from the Sync
+                    failed = failed or exc
+                return batch.outcome(cursors, at, failed)
             finally:
                 if flip:
                     _autocommit_off(conn)
@@ -409,9 +463,18 @@ class _AsyncPsycopgTx:
                 if len(pending) == 1:
                     sql, params = pending[0]
                     return await conn.execute(sql, params, prepare=params is not None)
-                async with conn.pipeline():
-                    cursors = [await conn.execute(q, p, prepare=p is not None) for q, p in pending]
-                return cursors[at]
+                cursors: list[psycopg.AsyncCursor[Any]] = []
+                failed: psycopg.Error | None = None
+                try:
+                    async with conn.pipeline():
+                        try:  # caught inside, so that psycopg logs no error of its own
+                            for q, p in pending:
+                                cursors.append(await conn.execute(q, p, prepare=p is not None))
+                        except psycopg.Error as exc:  # the server skips the rest
+                            failed = exc
+                except psycopg.Error as exc:  # from the Sync
+                    failed = failed or exc
+                return batch.outcome(cursors, at, failed)
             finally:
                 if flip:
                     _autocommit_off(conn)

@@ -12,6 +12,11 @@ from ..._core.ops import Reserve, Settle
 from ..._core.record import InProgress, Reservation
 from .dialect import COLUMNS, FENCED_MARKER, RESERVE_TRIES, SqlDialect, SqlGen, Statement
 
+# What the statement after a reservation on the app's connection raises when the reservation
+# holds nothing (a replay, a mismatch, a lost race), so that PostgreSQL ends the transaction
+# the reservation ran in with nothing more sent (see `PostgresDialect.UNHELD_SQL`).
+UNHELD_MARKER = "idempo-unheld"
+
 
 def pg_ms(timeout: timedelta) -> str:
     """A lock timeout as PostgreSQL's setting (0 would mean no limit: 1 ms at least)."""
@@ -152,7 +157,8 @@ class PostgresDialect(SqlDialect):
         once every part has run; a left join makes that row even when the parts found
         nothing (a lost race): then it is all NULLs but the restored setting. A statement
         that fails leaves ours in force only in a transaction that failed with it: its
-        rollback (to a savepoint too) undoes a local setting.
+        rollback (to a savepoint too) undoes a local setting. The row also leaves
+        ``idempo.held`` = 'y' in the transaction when it took the key, for `UNHELD_SQL`.
         """
         saved = (
             "SELECT app, set_config('lock_timeout', :lock_ms, true) FROM"
@@ -162,9 +168,22 @@ class PostgresDialect(SqlDialect):
             f"WITH saved AS MATERIALIZED ({saved}),"
             f" existing AS ({self.select_sql} AND EXISTS (SELECT 1 FROM saved)),"
             f" {self._writes}, answer AS ({self._answer})"
-            " SELECT answer.*, set_config('lock_timeout', (SELECT app FROM saved), true)"
+            " SELECT answer.*, set_config('lock_timeout', (SELECT app FROM saved), true),"
+            " set_config('idempo.held', CASE WHEN answer.acquired THEN 'y' ELSE '' END, true)"
             " FROM (VALUES (1)) AS one (n) LEFT JOIN answer ON true"
         )
+
+    # Sent right after a reservation that runs before BEGIN (see `_Batch` in
+    # stores/postgres.py): it fails unless the reservation took the key, and its failure
+    # ends the transaction the reservation ran in, with BEGIN and all behind it unrun. The
+    # cast is of a function's result, not of a literal, so that neither the parser nor the
+    # planner folds it (and fails) when the key is held.
+    UNHELD_SQL = (
+        "SELECT CASE WHEN current_setting('idempo.held', true) = 'y' THEN 1 ELSE"
+        f" CAST(concat('{UNHELD_MARKER}: the reservation took no key, so the transaction it ran"
+        " in ends here (this error is how idempo ends it without another round trip)')"
+        " AS integer) END"
+    )
 
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         params = self.reserve_params(op)
