@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 pytestmark = pytest.mark.postgres
 
 OPERATION = "hot.path"
-APP_LOCK_TIMEOUT = "7s"  # the app's own setting, which no path may change
+APP_LOCK_TIMEOUT = "10min"  # the app's own: a reservation waiting by it would hang the test
 # The guard's connection settings: none (BEGIN behind the reservation), autocommit, and an
 # isolation level of its own (BEGIN first, carrying it).
 SETTINGS = {
@@ -231,6 +231,33 @@ def test_the_apps_lock_timeout_survives_every_outcome(
                 holding.result = {"paid": raced}
             # The duplicate's statement saw no record, then lost the insert: asked again.
             assert duplicate.result(timeout=20).replayed
+        assert_as_the_app_left_it(conn)
+
+
+@pytest.mark.parametrize("settings", ["default", "isolation", "in a transaction"])
+def test_a_lost_race_then_a_takeover_runs_the_work_with_the_apps_lock_timeout(
+    pg_store: PostgresStore, business: str, postgres_url: str, settings: str
+) -> None:
+    """The reservation's first statement waits on a holder's insert and loses it (no row);
+    the holder's record is past its retention (its clock is two days behind), so the one
+    asked next takes it over in the same transaction. The app's setting must be back for
+    the work after both statements, though the first found nothing to return."""
+    behind = Policy(clock=lambda: datetime.now(UTC) - timedelta(days=2))
+    holding_idem = Idempotency(pg_store, behind)
+    patient = Idempotency(pg_store, Policy(lock_timeout=timedelta(seconds=20)))
+    conn = app_connection(postgres_url, **SETTINGS.get(settings, {}))
+    holder = app_connection(postgres_url)
+    with conn, holder, ThreadPoolExecutor(1) as pool:
+        if settings == "in a transaction":
+            conn.execute("SELECT 1")
+        key = new_key()
+        with holding_idem.once(key, operation=OPERATION, conn=holder) as holding:
+            duplicate = pool.submit(pay, patient, conn, business, key)
+            wait_until_waiting(postgres_url, conn)
+            holding.result = {"paid": "by the holder"}
+        attempt = duplicate.result(timeout=20)  # pay asserts the setting inside the block
+        assert not attempt.replayed
+        assert attempt.token > holding.token  # taken over, not replayed
         assert_as_the_app_left_it(conn)
 
 
