@@ -4,7 +4,7 @@ Leased mode runs each verb on a pooled autocommit connection: one round trip per
 Transactional mode runs on the app's own connection. Statements are queued in psycopg's
 pipeline and sent when a result is needed, so the reservation travels with BEGIN and the
 completion with COMMIT: a guarded business transaction costs the same three round trips as
-the bare one (BEGIN + reserve, the app's write, complete + COMMIT).
+the bare one (BEGIN + reserve, the app's write, complete + COMMIT), and a replay one.
 
     store = PostgresStore("postgresql://app@db/app")
     store.migrate()
