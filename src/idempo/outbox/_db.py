@@ -189,7 +189,7 @@ def _pg_connector(store: Any) -> Callable[[], Awaitable[tuple[Any, Any]]]:
         # READ COMMITTED whatever the server's default: a claim re-reads a row another relay
         # settled meanwhile instead of failing on it as a serialization conflict.
         await conn.set_isolation_level(IsolationLevel.READ_COMMITTED)
-        return conn, postgres._AsyncPsycopgTx(conn, postgres.DEFAULT_LOCK_TIMEOUT)
+        return conn, postgres._AsyncPsycopgTx(conn)
 
     return connect
 

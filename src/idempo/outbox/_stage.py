@@ -28,9 +28,6 @@ from ._sql import DEFAULT_TABLE, OutboxSql
 
 __all__ = ["Outbox", "astage", "encode_body", "message_id", "stage"]
 
-# Only the executors' Begin would read it, and staging sends no Begin.
-_UNUSED_LOCK_TIMEOUT = timedelta(seconds=5)
-
 
 def message_id(scope: Scope, label: str) -> str:
     """The id of the message ``label`` staged under ``scope``: deterministic, so every
@@ -142,12 +139,12 @@ def _runner(conn: Any) -> tuple[str, bool, Callable[[SqlGen[Any]], Any]]:
         from ..stores import postgres  # noqa: PLC0415
 
         if isinstance(conn, psycopg.AsyncConnection):
-            tx: Any = postgres._AsyncPsycopgTx(conn, _UNUSED_LOCK_TIMEOUT)
+            tx: Any = postgres._AsyncPsycopgTx(conn)
             return "postgresql", True, partial(aexecute, tx)
         return (
             "postgresql",
             False,
-            partial(execute, postgres._PsycopgTx(conn, _UNUSED_LOCK_TIMEOUT)),
+            partial(execute, postgres._PsycopgTx(conn)),
         )
     if family in ("pymysql", "aiomysql"):
         from ..stores import mysql  # noqa: PLC0415
@@ -169,11 +166,9 @@ def _runner(conn: Any) -> tuple[str, bool, Callable[[SqlGen[Any]], Any]]:
             )
         map_error = _map_error(name)
         if family == "sqlalchemy-async":
-            atx = sa.AsyncSqlAlchemyTx(
-                conn, sql.dialect, _UNUSED_LOCK_TIMEOUT, _no_store, map_error
-            )
+            atx = sa.AsyncSqlAlchemyTx(conn, sql.dialect, _no_store, map_error)
             return name, True, atx.run
-        stx = sa.SqlAlchemyTx(conn, sql.dialect, _UNUSED_LOCK_TIMEOUT, _no_store, map_error)
+        stx = sa.SqlAlchemyTx(conn, sql.dialect, _no_store, map_error)
         return name, False, stx.run
     raise ConfigurationError(
         f"cannot stage on a {family}: give the connection the guard runs on (psycopg,"

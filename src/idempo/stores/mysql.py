@@ -505,16 +505,16 @@ class _Pool:
 
 def _binding(
     dialect: MySQLDialect, mode: Mode, lock_timeout: timedelta | None
-) -> tuple[MySQLDialect, timedelta, UnitLogic]:
-    """What a unit on the app's connection needs: the statements with its lock wait, the
-    timeout itself, and the logic of the mode."""
+) -> tuple[MySQLDialect, UnitLogic]:
+    """What a unit on the app's connection needs: the statements with its lock wait, and
+    the logic of the mode."""
     timeout = DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
     waiting = dialect.waiting(lock_wait_seconds(timeout))
 
     def bounded(wait: timedelta) -> MySQLDialect:
         return dialect.waiting(lock_wait_seconds(wait))
 
-    return waiting, timeout, unit_logic(waiting, mode, timeout, bounded)
+    return waiting, unit_logic(waiting, mode, timeout, bounded)
 
 
 def _own_logic(dialect: MySQLDialect) -> StoreLogic:
@@ -583,7 +583,7 @@ class MySQLStore(SqlStore):
     ) -> SyncUnit:
         """A unit that runs a guarded call on the app's PyMySQL connection or SQLAlchemy
         session."""
-        dialect, timeout, logic = _binding(self._mysql, mode, lock_timeout)
+        dialect, logic = _binding(self._mysql, mode, lock_timeout)
         if isinstance(conn, pymysql.connections.Connection):
             check_server(_server_version(conn))
             return SyncUnit(logic, _PyMySQLTx(conn, self.run, app=True).run)
@@ -595,7 +595,7 @@ class MySQLStore(SqlStore):
         )
         from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = SqlAlchemyTx(conn, dialect, timeout, self.run, map_error, conflict=is_conflict)
+        executor = SqlAlchemyTx(conn, dialect, self.run, map_error, conflict=is_conflict)
         return SyncUnit(logic, executor.run)
 
     def close(self) -> None:
@@ -672,7 +672,7 @@ class AsyncMySQLStore(AsyncSqlStore):
     ) -> AsyncUnit:
         """A unit that runs a guarded call on the app's aiomysql connection or SQLAlchemy
         ``AsyncSession``."""
-        dialect, timeout, logic = _binding(self._mysql, mode, lock_timeout)
+        dialect, logic = _binding(self._mysql, mode, lock_timeout)
         if isinstance(conn, aiomysql.Connection):
             check_server(_server_version(conn))
             return AsyncUnit(logic, _AioMySQLTx(conn, self.run, app=True).run)
@@ -681,9 +681,7 @@ class AsyncMySQLStore(AsyncSqlStore):
         )
         from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = AsyncSqlAlchemyTx(
-            conn, dialect, timeout, self.run, map_error, conflict=is_conflict
-        )
+        executor = AsyncSqlAlchemyTx(conn, dialect, self.run, map_error, conflict=is_conflict)
         return AsyncUnit(logic, executor.run)
 
     async def aclose(self) -> None:

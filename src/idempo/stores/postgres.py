@@ -4,7 +4,7 @@ Leased mode runs each verb on a pooled autocommit connection: one round trip per
 Transactional mode runs on the app's own connection. Statements are queued in psycopg's
 pipeline and sent when a result is needed, so the reservation travels with BEGIN and the
 completion with COMMIT: a guarded business transaction costs the same three round trips as
-the bare one (BEGIN + reserve, the app's write, complete + COMMIT).
+the bare one (BEGIN + reserve, the app's write, complete + COMMIT), and a replay one.
 
     store = PostgresStore("postgresql://app@db/app")
     store.migrate()
@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from datetime import timedelta
-from functools import lru_cache
+from functools import lru_cache, partial
 from time import monotonic, sleep
 from typing import Any, Self, TypeVar
 
@@ -43,14 +43,7 @@ from ..errors import (
 from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
 from ._sql.binding import sqlalchemy_connection
 from ._sql.dialect import FENCED_MARKER, Statement, pyformat
-from ._sql.postgres import (
-    PG_AGAIN_LOCK_TIMEOUT,
-    PG_RESTORE_LOCK_TIMEOUT,
-    PG_SET_LOCK_TIMEOUT,
-    PostgresDialect,
-    Watch,
-    pg_ms,
-)
+from ._sql.postgres import UNHELD_MARKER, PostgresDialect, Watch, pg_ms
 from ._sql.transaction import (
     SAVEPOINT,
     AsyncSqlStore,
@@ -69,11 +62,11 @@ from ._sql.transaction import (
     TransactionEnded,
     TxGen,
     Undo,
-    abound,
+    UnitLogic,
     aexecute,
-    bound,
     execute,
     mapped,
+    unit_logic,
 )
 from ._watchdog import Watchdog
 from .base import Mode
@@ -81,6 +74,7 @@ from .base import Mode
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
 T = TypeVar("T")
+C = TypeVar("C")
 
 _pyformat = lru_cache(maxsize=256)(pyformat)
 # Few distinct lock timeouts are ever asked for; a cached one costs no Python call.
@@ -122,9 +116,8 @@ Queued = tuple[str, Any]
 _SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}", None)
 _RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}", None)
 _UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", None)
-_SET_LOCK_TIMEOUT = pyformat(PG_SET_LOCK_TIMEOUT)
-_AGAIN_LOCK_TIMEOUT = pyformat(PG_AGAIN_LOCK_TIMEOUT)
-_RESTORE_LOCK_TIMEOUT: Queued = (PG_RESTORE_LOCK_TIMEOUT, None)
+_BEGIN: Queued = ("BEGIN", None)
+_UNHELD: Queued = (PostgresDialect.UNHELD_SQL, None)
 _SET_SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(ms)s, false)"
 # The lock timeout the store set on one of its own connections (an attribute of it).
 _LOCK_TIMEOUT_SET = "_idempo_lock_timeout"
@@ -150,23 +143,34 @@ class _Batch:
     pipeline (a pipeline costs an extra Sync, worth it only to save a round trip).
 
     In transactional mode the reservation leaves in one pipeline with all that surrounds it:
-    BEGIN with the connection's own isolation level, read-only and deferrable settings, the
-    reservation's lock timeout (the app's restored right after it), and the savepoint the
-    work's writes can be rolled back to. The savepoint is taken at once, before the answer is
-    known: a reservation that does not need it ends its transaction with it.
+    BEGIN with the connection's own isolation level, read-only and deferrable settings, and
+    the savepoint the work's writes can be rolled back to (the reservation's statement sets
+    its own lock timeout and puts the app's back). The savepoint is taken at once, before the
+    answer is known: a reservation that does not need it ends its transaction with it.
+
+    When the guard begins the transaction and the connection leaves every transaction
+    setting to the server (isolation level, read-only, deferrable: None), the reservation
+    goes first and BEGIN behind it: ``reservation, unheld check, BEGIN, SAVEPOINT``.
+    PostgreSQL runs the statements before BEGIN in the implicit transaction of the pipeline,
+    which BEGIN turns into the explicit one, reservation included, with the session's default
+    isolation level (taken when the reservation started it). A reservation that took no key
+    (a replay, a mismatch, a duplicate in progress, a lost race) fails the check: the server
+    skips the rest and rolls that transaction back at the Sync, so a replay costs one round
+    trip and leaves the connection idle, as it found it. The price: the check's error is in
+    the server's log, once per replay. With settings of its own, BEGIN carries them and goes
+    first (they cannot be set once a statement ran), and a replay ends its transaction with
+    a COMMIT a round trip later.
     """
 
-    def __init__(
-        self, conn: Any, lock_timeout: timedelta, on_store: Any, *, app: bool = False
-    ) -> None:
+    def __init__(self, conn: Any, on_store: Any, *, app: bool = False) -> None:
         self.conn = conn
         self.on_store = on_store
         # On the app's connection a serialization failure or deadlock is the app's to see.
         self.app = app
         self.pending: list[Queued] = []
         self.result_at = -1  # which pending statement's rows the caller waits for
-        self.default_wait = _pg_ms(lock_timeout)
-        self.reserving: str | None = None  # the reservation's lock timeout, while it runs
+        self.reserving = False  # the reservation's statements follow, in the transaction
+        self.implicit = False  # ... and BEGIN goes behind them (see above)
         self.marked = False  # the savepoint follows the reservation's last statement
         self.flip = False  # send with autocommit on, then give the app back its "off"
         self.answer: Any = None  # what `need` answered, when nothing was left to do
@@ -183,39 +187,40 @@ class _Batch:
                 " record in the connection's transaction; use mode='leased' or no conn"
             )
         began = self.idle()
-        if began:
+        self.reserving = op.reserves
+        self.implicit = began and op.reserves and not self.pending and _no_settings(conn)
+        if began and not self.implicit:
             begin = _begin(conn.isolation_level, conn.read_only, conn.deferrable)
             self.pending.append((begin, None))
             # With autocommit off psycopg would send a BEGIN of its own first, a round trip
             # apart; it is off again as soon as ours is sent.
             self.flip = not conn.autocommit
-        if op.reserves:
-            wait = self.default_wait if op.lock_timeout is None else _pg_ms(op.lock_timeout)
-            self.pending.append((_SET_LOCK_TIMEOUT, {"ms": wait}))
-            self.reserving = wait
         return began
 
     def statement(self, sql: str, params: Any) -> None:
         pending = self.pending
-        if self.reserving is None:
+        if not self.reserving:
             pending.append((sql, params))
             self.result_at = len(pending) - 1
             return
-        if self.marked:
-            # The reservation asks again: the savepoint moves behind its new statement.
-            pending += [_RELEASE, (_AGAIN_LOCK_TIMEOUT, {"ms": self.reserving})]
-        pending.append((sql, params))
-        self.result_at = len(pending) - 1
-        pending += [_RESTORE_LOCK_TIMEOUT, _SAVEPOINT]
+        if self.implicit and self.idle():
+            # First, or again after a try that took nothing ended its transaction.
+            pending += [(sql, params), _UNHELD, _BEGIN, _SAVEPOINT]
+            self.result_at = len(pending) - 4
+            self.flip = not self.conn.autocommit
+        else:
+            if self.marked:
+                # The reservation asks again: the savepoint moves behind its new statement.
+                pending.append(_RELEASE)
+            pending += [(sql, params), _SAVEPOINT]
+            self.result_at = len(pending) - 2
         self.marked = True
 
     def mark(self) -> None:
         if not self.marked:
-            # The app's lock timeout comes back only where the reservation's replaced it.
-            restore = [_RESTORE_LOCK_TIMEOUT] if self.reserving is not None else []
-            self.pending += [*restore, _SAVEPOINT]
+            self.pending.append(_SAVEPOINT)
             self.marked = True
-        self.reserving = None
+        self.reserving = self.implicit = False
 
     def check(self) -> None:
         """The savepoint's release goes with the completion; it fails if the app ended the
@@ -252,7 +257,18 @@ class _Batch:
 
     def ended(self) -> None:
         """The transaction is over."""
-        self.reserving, self.marked, self.flip = None, False, False
+        self.reserving = self.implicit = self.marked = self.flip = False
+
+    def outcome(self, cursors: list[C], at: int, failed: BaseException | None) -> C:
+        """The cursor of the awaited statement of a pipeline; raises what failed, unless
+        only the unheld check did: then the reservation's rows came back, and the
+        transaction it ran in is over (it held nothing, so nothing is lost)."""
+        if failed is None:
+            return cursors[at]
+        if isinstance(failed, pg_errors.InvalidTextRepresentation) and UNHELD_MARKER in str(failed):
+            self.marked = False
+            return cursors[at]
+        raise failed
 
     def translate(self, exc: BaseException) -> BaseException:
         """What a failure of sent statements means to the transaction's logic."""
@@ -285,6 +301,11 @@ class _Batch:
             self.undo()
             return _SEND
         if isinstance(op, Commit):
+            if not self.pending and self.idle():
+                # The reservation's transaction ended with it (it took no key): nothing to
+                # commit, and a COMMIT would only draw a warning.
+                self.ended()
+                return _DONE
             self.pending.append(("COMMIT", None))
             return _COMMIT
         if isinstance(op, Rollback):
@@ -296,6 +317,11 @@ class _Batch:
             self.answer = self.bound(op)
             return _DONE if self.answer is None else _BOUND
         raise AssertionError(f"unknown operation {op!r}")
+
+
+def _no_settings(conn: Any) -> bool:
+    """Whether the connection leaves every transaction setting to the server."""
+    return conn.isolation_level is None and conn.read_only is None and conn.deferrable is None
 
 
 _SAVEPOINT_GONE = (pg_errors.InvalidSavepointSpecification, pg_errors.NoActiveSqlTransaction)
@@ -325,11 +351,9 @@ class _PsycopgTx:
     this face only makes psycopg's calls. ``on_store`` is given for the app's connection (a
     guarded call), None for the store's own."""
 
-    def __init__(
-        self, conn: psycopg.Connection[Any], lock_timeout: timedelta, on_store: Any = None
-    ) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], on_store: Any = None) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, on_store, app=on_store is not None)
         self.pending = self.batch.pending
         self.error = error
 
@@ -374,9 +398,18 @@ class _PsycopgTx:
                 if len(pending) == 1:
                     sql, params = pending[0]
                     return conn.execute(sql, params, prepare=params is not None)
-                with conn.pipeline():
-                    cursors = [conn.execute(q, p, prepare=p is not None) for q, p in pending]
-                return cursors[at]
+                cursors: list[psycopg.Cursor[Any]] = []
+                failed: psycopg.Error | None = None
+                try:
+                    with conn.pipeline():
+                        try:  # caught inside, so that psycopg logs no error of its own
+                            for q, p in pending:
+                                cursors.append(conn.execute(q, p, prepare=p is not None))
+                        except psycopg.Error as exc:  # the server skips the rest
+                            failed = exc
+                except psycopg.Error as exc:  # from the Sync
+                    failed = failed or exc
+                return batch.outcome(cursors, at, failed)
             finally:
                 if flip:
                     _autocommit_off(conn)
@@ -387,11 +420,9 @@ class _PsycopgTx:
 class _AsyncPsycopgTx:
     """The asynchronous face of `_PsycopgTx`: the same calls, awaited."""
 
-    def __init__(
-        self, conn: psycopg.AsyncConnection[Any], lock_timeout: timedelta, on_store: Any = None
-    ) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection[Any], on_store: Any = None) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, lock_timeout, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, on_store, app=on_store is not None)
         self.pending = self.batch.pending
         self.error = error
 
@@ -435,9 +466,18 @@ class _AsyncPsycopgTx:
                 if len(pending) == 1:
                     sql, params = pending[0]
                     return await conn.execute(sql, params, prepare=params is not None)
-                async with conn.pipeline():
-                    cursors = [await conn.execute(q, p, prepare=p is not None) for q, p in pending]
-                return cursors[at]
+                cursors: list[psycopg.AsyncCursor[Any]] = []
+                failed: psycopg.Error | None = None
+                try:
+                    async with conn.pipeline():
+                        try:  # caught inside, so that psycopg logs no error of its own
+                            for q, p in pending:
+                                cursors.append(await conn.execute(q, p, prepare=p is not None))
+                        except psycopg.Error as exc:  # the server skips the rest
+                            failed = exc
+                except psycopg.Error as exc:  # from the Sync
+                    failed = failed or exc
+                return batch.outcome(cursors, at, failed)
             finally:
                 if flip:
                     _autocommit_off(conn)
@@ -668,6 +708,16 @@ def _watchdog(connector: _Connector | None, read_timeout: timedelta | float | No
     return Watchdog(bound, _socket_of, _lock_wait, server="PostgreSQL")
 
 
+def _logic(dialect: PostgresDialect, mode: Mode, lock_timeout: timedelta | None) -> UnitLogic:
+    """The logic of a guarded call on the app's connection. In transactional mode the
+    reservation's statement sets its lock timeout itself (the policy's, or a caller's
+    shorter bound); leased mode reserves on the store's own connection."""
+    timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
+    if mode == "transactional":
+        return unit_logic(dialect.waiting(timeout), mode, timeout, dialect.waiting)
+    return unit_logic(dialect, mode, timeout)
+
+
 class PostgresStore(SqlStore):
     """A PostgreSQL store. Safe to share between threads; each verb borrows a pooled connection.
 
@@ -747,7 +797,7 @@ class PostgresStore(SqlStore):
     def run(self, gen: TxGen[T]) -> T:
         try:
             with self._connection() as conn:
-                return execute(_PsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
+                return execute(_PsycopgTx(conn), gen)
         except psycopg.Error as exc:  # the pool's, the connection's: not the statements'
             raise error(exc) from exc
 
@@ -789,18 +839,16 @@ class PostgresStore(SqlStore):
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> SyncUnit:
         """A unit that runs a guarded call on the app's connection (psycopg or SQLAlchemy)."""
-        timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
+        logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.Connection):
-            return bound(self.dialect, mode, timeout, _PsycopgTx(conn, timeout, self.run))
+            return SyncUnit(logic, partial(execute, _PsycopgTx(conn, self.run)))
         conn = sqlalchemy_connection(
             conn, asynchronous=False, store="PostgresStore", driver="a psycopg.Connection"
         )
         from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = SqlAlchemyTx(
-            conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
-        )
-        return bound(self.dialect, mode, timeout, executor)
+        executor = SqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
+        return SyncUnit(logic, executor.run)
 
     def close(self) -> None:
         self._watchdog.close()
@@ -881,7 +929,7 @@ class AsyncPostgresStore(AsyncSqlStore):
     async def run(self, gen: TxGen[T]) -> T:
         try:
             async with self._connection() as conn:
-                return await aexecute(_AsyncPsycopgTx(conn, DEFAULT_LOCK_TIMEOUT), gen)
+                return await aexecute(_AsyncPsycopgTx(conn), gen)
         except psycopg.Error as exc:
             raise error(exc) from exc
 
@@ -918,9 +966,9 @@ class AsyncPostgresStore(AsyncSqlStore):
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> AsyncUnit:
         """A unit that runs a guarded call on the app's async connection or session."""
-        timeout = lock_timeout or DEFAULT_LOCK_TIMEOUT
+        logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.AsyncConnection):
-            return abound(self.dialect, mode, timeout, _AsyncPsycopgTx(conn, timeout, self.run))
+            return AsyncUnit(logic, partial(aexecute, _AsyncPsycopgTx(conn, self.run)))
         conn = sqlalchemy_connection(
             conn,
             asynchronous=True,
@@ -929,10 +977,8 @@ class AsyncPostgresStore(AsyncSqlStore):
         )
         from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = AsyncSqlAlchemyTx(
-            conn, self.dialect, timeout, self.run, map_error, conflict=is_conflict
-        )
-        return abound(self.dialect, mode, timeout, executor)
+        executor = AsyncSqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
+        return AsyncUnit(logic, executor.run)
 
     async def aclose(self) -> None:
         self._watchdog.close()

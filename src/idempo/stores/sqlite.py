@@ -433,7 +433,7 @@ class SQLiteStore(SqlStore):
         )
         from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
-        executor = SqlAlchemyTx(conn, self.dialect, timeout, self.run, map_error)
+        executor = SqlAlchemyTx(conn, self.dialect, self.run, map_error)
         return bound(self.dialect, mode, timeout, executor)
 
     def close(self) -> None:
@@ -514,9 +514,7 @@ class AsyncSQLiteStore(AsyncSqlStore):
 
         timeout = lock_timeout or DEFAULT_BUSY_TIMEOUT
         logic = unit_logic(self.dialect, mode, timeout)
-        return AsyncUnit(
-            logic, AsyncSqlAlchemyTx(conn, self.dialect, timeout, self.run, map_error).run
-        )
+        return AsyncUnit(logic, AsyncSqlAlchemyTx(conn, self.dialect, self.run, map_error).run)
 
     async def aclose(self) -> None:
         self._sync.close()

@@ -474,12 +474,16 @@ class SqlDialect:
         return {str(state): int(count) for state, count in rows or ()}
 
     def judge_rows(self, rows: Rows | None, op: Reserve) -> Reservation | None:
-        """Decode a reservation statement's row ``(acquired, *columns, decided_at)``:
-        acquired, or what the record means at the instant the statement decided."""
+        """Decode a reservation statement's row ``(acquired, *columns, decided_at, ...)``:
+        acquired, or what the record means at the instant the statement decided. None when
+        it found nothing (no row, or a row whose ``acquired`` is NULL: a lost race)."""
         if not rows:
             return None
         row = rows[0]
-        if row[0]:
+        acquired = row[0]
+        if acquired:
             # A takeover keeps the record's creation time; a new record's is its update's.
             return Acquired(token=int(row[6]), recovery_point=row[12], taken_over=row[9] != row[10])
-        return judge(self.record(row[1:-1], op.scope), op.fingerprint, self.py_time(row[-1]))
+        if acquired is None:
+            return None
+        return judge(self.record(row[1:13], op.scope), op.fingerprint, self.py_time(row[13]))

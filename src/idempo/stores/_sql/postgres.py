@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 import zlib
 from datetime import UTC, datetime, timedelta
@@ -16,17 +17,10 @@ from ..._core.record import InProgress, Reservation
 from ...errors import FencedError
 from .dialect import COLUMNS, FENCED_MARKER, RESERVE_TRIES, SqlDialect, SqlGen, Statement
 
-# PostgreSQL's lock timeout for the reservation's statements only, shared by the psycopg and
-# SQLAlchemy executors: the app's statements after it wait as the connection says. The app's
-# setting is kept meanwhile in a variable of the transaction (the subquery runs first).
-PG_SET_LOCK_TIMEOUT = (
-    "SELECT set_config('lock_timeout', :ms, true) FROM (SELECT set_config("
-    "'idempo.lock_timeout', current_setting('lock_timeout'), true)) AS saved"
-)
-PG_AGAIN_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', :ms, true)"
-PG_RESTORE_LOCK_TIMEOUT = (
-    "SELECT set_config('lock_timeout', current_setting('idempo.lock_timeout'), true)"
-)
+# What the statement after a reservation on the app's connection raises when the reservation
+# holds nothing (a replay, a mismatch, a lost race), so that PostgreSQL ends the transaction
+# the reservation ran in with nothing more sent (see `PostgresDialect.UNHELD_SQL`).
+UNHELD_MARKER = "idempo-unheld"
 
 
 # The first half of the two-int advisory lock key of a waiting duplicate's mark ("idem"): the
@@ -61,9 +55,25 @@ class PostgresDialect(SqlDialect):
     name = "postgresql"
     server_clock = "statement_timestamp()"
 
+    # The reservation's lock timeout (PostgreSQL's setting, "200ms") when its statement sets
+    # it itself, on the app's connection; None on the store's own, where the session has it.
+    lock_ms: str | None = None
+
     def __init__(self, table: str) -> None:
         super().__init__(table)
         self.sequence = self.tokens
+        self._waiting: dict[str, PostgresDialect] = {}
+
+    def waiting(self, lock_timeout: timedelta) -> PostgresDialect:
+        """This dialect for the app's connection: its reservation waits on a row lock at most
+        ``lock_timeout``, set by the statement itself (made once per value, then reused)."""
+        ms = pg_ms(lock_timeout)
+        clone = self._waiting.get(ms)
+        if clone is None:
+            clone = copy.copy(self)
+            clone.lock_ms = ms
+            self._waiting[ms] = clone
+        return clone
 
     def py_time(self, value: Any) -> datetime:
         # timestamptz comes back in the session's TimeZone; a record's times are UTC.
@@ -112,38 +122,96 @@ class PostgresDialect(SqlDialect):
         ]
 
     @cached_property
-    def reserve_sql(self) -> str:
+    def _takeover_allowed(self) -> str:
+        now = self.now
+        return (
+            f"EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= {now}"
+            f" OR (e.state = 'in_progress' AND e.lease_expires_at <= {now}"
+            " AND e.fingerprint = :fingerprint)) AND "
+        )
+
+    @cached_property
+    def _writes(self) -> str:
         # One round trip for every case, and one index lookup for a replay: the insert and
         # the takeover only run when what the first read found calls for them (their guards
         # do not depend on the row, so PostgreSQL checks them once, before any scan). All
         # parts see the snapshot taken when the statement started, so a duplicate that
         # committed while we waited on its row is invisible here: then no row comes back and
         # the caller simply asks again. nextval runs only for a row being written.
-        now = self.now
-        takeover_allowed = (
-            f"EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= {now}"
-            f" OR (e.state = 'in_progress' AND e.lease_expires_at <= {now}"
-            " AND e.fingerprint = :fingerprint)) AND "
-        )
         insert = (
             f"INSERT INTO {self.table} AS r ({self.insert_columns})"
             f" SELECT {self.insert_values} WHERE NOT EXISTS (SELECT 1 FROM existing)"
             f" ON CONFLICT DO NOTHING RETURNING {COLUMNS}"
         )
+        return f"inserted AS ({insert}), taken AS ({self.takeover_where(self._takeover_allowed)})"
+
+    @cached_property
+    def _answer(self) -> str:
+        """The reservation's row ``(acquired, *columns, decided_at)``: the record written,
+        else the one found."""
+        now = self.now
         return (
-            f"WITH existing AS ({self.select_sql}),"
-            f" inserted AS ({insert}),"
-            f" taken AS ({self.takeover_where(takeover_allowed)})"
-            f" SELECT true, {COLUMNS}, {now} FROM inserted"
+            f"SELECT true AS acquired, {COLUMNS}, {now} AS decided FROM inserted"
             f" UNION ALL SELECT true, {COLUMNS}, {now} FROM taken"
             f" UNION ALL SELECT false, {COLUMNS}, {now} FROM existing"
             " WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)"
         )
 
+    @cached_property
+    def reserve_sql(self) -> str:
+        """The reservation on the store's own connection, whose session has its lock timeout."""
+        return f"WITH existing AS ({self.select_sql}), {self._writes} {self._answer}"
+
+    @cached_property
+    def waiting_reserve_sql(self) -> str:
+        """The reservation on the app's connection, carrying its own lock timeout.
+
+        The app's statements must keep waiting as the app's connection says, so the
+        statement sets ``lock_timeout`` for itself (``:lock_ms``) and puts the app's back
+        before it ends, with no statement of its own for either. ``saved`` reads the app's
+        value, then sets ours (the subquery is a plan node of its own, so it runs first);
+        every part reads it first (the read of ``existing`` is gated on it, the insert and
+        the takeover on ``existing``), so ours is in force before any of them can wait on a
+        row lock. The app's comes back in the projection of the statement's one row, made
+        once every part has run; a left join makes that row even when the parts found
+        nothing (a lost race): then it is all NULLs but the restored setting. A statement
+        that fails leaves ours in force only in a transaction that failed with it: its
+        rollback (to a savepoint too) undoes a local setting. The row also leaves
+        ``idempo.held`` = 'y' in the transaction when it took the key, for `UNHELD_SQL`.
+        """
+        saved = (
+            "SELECT app, set_config('lock_timeout', :lock_ms, true) FROM"
+            " (SELECT current_setting('lock_timeout') AS app OFFSET 0) AS s"
+        )
+        return (
+            f"WITH saved AS MATERIALIZED ({saved}),"
+            f" existing AS ({self.select_sql} AND EXISTS (SELECT 1 FROM saved)),"
+            f" {self._writes}, answer AS ({self._answer})"
+            " SELECT answer.*, set_config('lock_timeout', (SELECT app FROM saved), true),"
+            " set_config('idempo.held', CASE WHEN answer.acquired THEN 'y' ELSE '' END, true)"
+            " FROM (VALUES (1)) AS one (n) LEFT JOIN answer ON true"
+        )
+
+    # Sent right after a reservation that runs before BEGIN (see `_Batch` in
+    # stores/postgres.py): it fails unless the reservation took the key, and its failure
+    # ends the transaction the reservation ran in, with BEGIN and all behind it unrun. The
+    # cast is of a function's result, not of a literal, so that neither the parser nor the
+    # planner folds it (and fails) when the key is held.
+    UNHELD_SQL = (
+        "SELECT CASE WHEN current_setting('idempo.held', true) = 'y' THEN 1 ELSE"
+        f" CAST(concat('{UNHELD_MARKER}: the reservation took no key, so the transaction it ran"
+        " in ends here (this error is how idempo ends it without another round trip)')"
+        " AS integer) END"
+    )
+
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         params = self.reserve_params(op)
+        sql = self.reserve_sql
+        if self.lock_ms is not None:
+            sql = self.waiting_reserve_sql
+            params["lock_ms"] = self.lock_ms
         for _ in range(RESERVE_TRIES):
-            rows = yield Statement(self.reserve_sql, params)
+            rows = yield Statement(sql, params)
             reservation = self.judge_rows(rows, op)
             if reservation is not None:
                 return reservation

@@ -10,7 +10,6 @@ trip, as the session's transaction being another one.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from datetime import timedelta
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -21,7 +20,6 @@ with optional_import("binding a SQLAlchemy session needs SQLAlchemy", extra="sql
     from sqlalchemy.exc import DBAPIError
 
 from .dialect import SqlDialect, Statement
-from .postgres import PG_RESTORE_LOCK_TIMEOUT, PG_SET_LOCK_TIMEOUT, pg_ms
 from .transaction import (
     Begin,
     Call,
@@ -77,7 +75,6 @@ class _Shared:
         self,
         conn: Any,
         dialect: SqlDialect,
-        lock_timeout: timedelta,
         on_store: Callable[[Any], Any],
         map_error: Callable[[BaseException], BaseException],
         *,
@@ -88,22 +85,13 @@ class _Shared:
         caller gets as SQLAlchemy raised it, from the errors that are the store's."""
         self._conn = conn
         self._on_store = on_store
-        # MariaDB's reservation carries its lock wait in the statement; PostgreSQL sets
-        # one for the reservation, and SQLite lowers its busy timeout for a caller's bound.
-        self._postgres = dialect.name == "postgresql"
+        # PostgreSQL's and MariaDB's reservations carry their lock wait in the statement;
+        # SQLite lowers its busy timeout for a caller's bound.
         self._sqlite = dialect.name == "sqlite"
         self._busy: int | None = None  # SQLite: the busy timeout to restore, once lowered
-        self._wait = pg_ms(lock_timeout)
         self._map_error = map_error
         self._conflict = conflict
         self._mark: _Savepoint | None = None
-        self._restore = False  # PostgreSQL: the reservation's lock timeout is in force
-
-    def lock_timeout(self, op: Begin) -> dict[str, str] | None:
-        """The parameters of the reservation's own lock timeout, if one is set."""
-        if not op.reserves or not self._postgres:
-            return None
-        return {"ms": self._wait if op.lock_timeout is None else pg_ms(op.lock_timeout)}
 
     def lower_busy_timeout(self, op: Begin) -> Generator[Call, Any, None]:
         """On SQLite, bound the reservation's wait for another writer's lock by the caller's
@@ -161,15 +149,9 @@ class _Shared:
         if isinstance(op, Begin):
             began = not conn.in_transaction()
             # Else SQLAlchemy begins on its own with the first statement.
-            if (timeout := self.lock_timeout(op)) is not None:
-                yield conn.execute, (_text(PG_SET_LOCK_TIMEOUT), timeout)
-            self._restore = timeout is not None
             yield from self.lower_busy_timeout(op)
             return began
         if isinstance(op, Mark):
-            if self._restore:  # the app's lock timeout, where the reservation's replaced it
-                yield conn.execute, (_text(PG_RESTORE_LOCK_TIMEOUT),)
-                self._restore = False
             self._mark = _Savepoint((yield conn.begin_nested, ()), conn)
             return None
         if isinstance(op, Check):
