@@ -68,6 +68,19 @@ class RoundTrips:
 
 
 @pytest.fixture
+def pg_store(postgres_url: str, pg_schema: str) -> Iterator[PostgresStore]:
+    """The store with replays in one round trip (``one_trip_replays``), which most tests here
+    are about; `test_by_default_a_replay_ends_its_transaction_without_an_error` is not."""
+    table = f"{pg_schema}.idempo_records"
+    store = PostgresStore(postgres_url, table=table, max_size=40, one_trip_replays=True)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
 def business(postgres_url: str, pg_schema: str) -> str:
     table = f"{pg_schema}.business"
     with psycopg.connect(postgres_url, autocommit=True) as conn:
@@ -144,12 +157,38 @@ def test_a_replay_is_one_round_trip_where_the_guard_begins_the_transaction(
     assert caplog.records == []
 
 
+def test_by_default_a_replay_ends_its_transaction_without_an_error(
+    postgres_url: str, pg_schema: str, business: str, tmp_path: Path
+) -> None:
+    """Without ``one_trip_replays`` BEGIN goes first: a replay costs two round trips and
+    ends its transaction with a COMMIT, so the server logs no error and counts no rollback."""
+    store = PostgresStore(postgres_url, table=f"{pg_schema}.idempo_records")
+    store.migrate()
+    idem = Idempotency(store)
+    conn = app_connection(postgres_url)
+    trips = RoundTrips(conn, tmp_path / "trace")
+    try:
+        key = new_key()
+        pay(idem, conn, business, key)
+        conn.rollback()  # the SHOW's own transaction
+        with trips.counting() as counted:
+            attempt = pay(idem, conn, business, key)
+        assert attempt.replayed
+        assert counted == [2]
+        assert_as_the_app_left_it(conn)
+    finally:
+        conn.close()
+        store.close()
+
+
 @pytest.mark.anyio
 async def test_an_async_replay_is_one_round_trip(
     postgres_url: str, pg_schema: str, business: str, tmp_path: Path
 ) -> None:
     """The async face shares the logic: a replay in one round trip, the connection idle."""
-    store = AsyncPostgresStore(postgres_url, table=f"{pg_schema}.idempo_records")
+    store = AsyncPostgresStore(
+        postgres_url, table=f"{pg_schema}.idempo_records", one_trip_replays=True
+    )
     await store.migrate()
     idem = AsyncIdempotency(store)
     conn = await psycopg.AsyncConnection.connect(postgres_url)

@@ -4,7 +4,8 @@ Leased mode runs each verb on a pooled autocommit connection: one round trip per
 Transactional mode runs on the app's own connection. Statements are queued in psycopg's
 pipeline and sent when a result is needed, so the reservation travels with BEGIN and the
 completion with COMMIT: a guarded business transaction costs the same three round trips as
-the bare one (BEGIN + reserve, the app's write, complete + COMMIT), and a replay one.
+the bare one (BEGIN + reserve, the app's write, complete + COMMIT), and a replay two (one with
+``one_trip_replays``).
 
     store = PostgresStore("postgresql://app@db/app")
     store.migrate()
@@ -162,8 +163,12 @@ class _Batch:
     a COMMIT a round trip later.
     """
 
-    def __init__(self, conn: Any, on_store: Any, *, app: bool = False) -> None:
+    def __init__(
+        self, conn: Any, on_store: Any, *, app: bool = False, one_trip: bool = False
+    ) -> None:
         self.conn = conn
+        # Whether a replay may end its transaction by the unheld check's error (see above).
+        self.one_trip = one_trip
         self.on_store = on_store
         # On the app's connection a serialization failure or deadlock is the app's to see.
         self.app = app
@@ -188,7 +193,9 @@ class _Batch:
             )
         began = self.idle()
         self.reserving = op.reserves
-        self.implicit = began and op.reserves and not self.pending and _no_settings(conn)
+        self.implicit = (
+            self.one_trip and began and op.reserves and not self.pending and _no_settings(conn)
+        )
         if began and not self.implicit:
             begin = _begin(conn.isolation_level, conn.read_only, conn.deferrable)
             self.pending.append((begin, None))
@@ -351,9 +358,11 @@ class _PsycopgTx:
     this face only makes psycopg's calls. ``on_store`` is given for the app's connection (a
     guarded call), None for the store's own."""
 
-    def __init__(self, conn: psycopg.Connection[Any], on_store: Any = None) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], on_store: Any = None, *, one_trip: bool = False
+    ) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, on_store, app=on_store is not None, one_trip=one_trip)
         self.pending = self.batch.pending
         self.error = error
 
@@ -420,9 +429,11 @@ class _PsycopgTx:
 class _AsyncPsycopgTx:
     """The asynchronous face of `_PsycopgTx`: the same calls, awaited."""
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any], on_store: Any = None) -> None:
+    def __init__(
+        self, conn: psycopg.AsyncConnection[Any], on_store: Any = None, *, one_trip: bool = False
+    ) -> None:
         self._conn = conn
-        self.batch = _Batch(conn, on_store, app=on_store is not None)
+        self.batch = _Batch(conn, on_store, app=on_store is not None, one_trip=one_trip)
         self.pending = self.batch.pending
         self.error = error
 
@@ -736,6 +747,12 @@ class PostgresStore(SqlStore):
             connect timeout, so 5 s + 5 s by default. A server that stops answering after
             the store connected (frozen, partitioned away) fails the call with
             `StoreUnavailableError` then, and the connection is closed.
+        one_trip_replays: on the app's connection (``conn=``), a replay costs one round
+            trip instead of two where the guard begins the transaction and the connection
+            sets no isolation level, read-only or deferrable of its own. The price: each
+            such replay ends its transaction by a deliberate error, which PostgreSQL writes
+            to its log (``invalid input syntax for type integer: "idempo-unheld: ..."``) and
+            counts as a rollback. Off by default (docs/transactions.md).
 
     >>> store = PostgresStore("postgresql://postgres@127.0.0.1/test")  # doctest: +SKIP
     """
@@ -750,8 +767,10 @@ class PostgresStore(SqlStore):
         max_size: int = 10,
         connect_timeout: timedelta | float | None = None,
         read_timeout: timedelta | float | None = None,
+        one_trip_replays: bool = False,
     ) -> None:
         super().__init__(PostgresDialect(table))
+        self.one_trip_replays = one_trip_replays
         self._owns_pool = not isinstance(conninfo, ConnectionPool)
         self._connector = _connector(conninfo, connect_timeout, max_size)
         self._watchdog = _watchdog(self._connector, read_timeout)
@@ -841,7 +860,8 @@ class PostgresStore(SqlStore):
         """A unit that runs a guarded call on the app's connection (psycopg or SQLAlchemy)."""
         logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.Connection):
-            return SyncUnit(logic, partial(execute, _PsycopgTx(conn, self.run)))
+            tx = _PsycopgTx(conn, self.run, one_trip=self.one_trip_replays)
+            return SyncUnit(logic, partial(execute, tx))
         conn = sqlalchemy_connection(
             conn, asynchronous=False, store="PostgresStore", driver="a psycopg.Connection"
         )
@@ -872,8 +892,10 @@ class AsyncPostgresStore(AsyncSqlStore):
         max_size: int = 10,
         connect_timeout: timedelta | float | None = None,
         read_timeout: timedelta | float | None = None,
+        one_trip_replays: bool = False,
     ) -> None:
         super().__init__(PostgresDialect(table))
+        self.one_trip_replays = one_trip_replays
         self._owns_pool = not isinstance(conninfo, AsyncConnectionPool)
         self._connector = _connector(conninfo, connect_timeout, max_size)
         self._watchdog = _watchdog(self._connector, read_timeout)
@@ -968,7 +990,8 @@ class AsyncPostgresStore(AsyncSqlStore):
         """A unit that runs a guarded call on the app's async connection or session."""
         logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.AsyncConnection):
-            return AsyncUnit(logic, partial(aexecute, _AsyncPsycopgTx(conn, self.run)))
+            tx = _AsyncPsycopgTx(conn, self.run, one_trip=self.one_trip_replays)
+            return AsyncUnit(logic, partial(aexecute, tx))
         conn = sqlalchemy_connection(
             conn,
             asynchronous=True,
