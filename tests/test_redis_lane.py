@@ -4,6 +4,8 @@ re-sending once on a broken connection; an app's client carries every command it
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import multiprocessing
 import secrets
 import threading
@@ -12,11 +14,12 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from idempo import Idempotency
 from idempo._core.keys import Scope
 from idempo._core.record import Acquired
-from idempo.stores.redis import RedisStore
+from idempo.stores.redis import AsyncRedisStore, RedisStore
 
 pytestmark = pytest.mark.redis
 
@@ -136,3 +139,53 @@ def test_an_apps_client_carries_every_command_itself(redis_url: str) -> None:
         assert {"SET", "EVALSHA"} <= set(sent)
         for key in client.scan_iter(f"{prefix}:*"):
             client.delete(key)
+
+
+@pytest.fixture
+async def async_store(redis_url: str) -> Any:
+    prefix = f"lane-{secrets.token_hex(4)}"
+    store = AsyncRedisStore(redis_url, prefix=prefix)
+    yield store
+    await store.aclose()
+    with redis.Redis.from_url(redis_url) as client:
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
+
+
+async def areserve(store: AsyncRedisStore, key: str) -> Any:
+    return await store.reserve(Scope("", "pay", key), "fp", now=None, lease=LEASE, ttl=TTL)
+
+
+@pytest.mark.anyio
+async def test_async_tasks_share_the_kept_connections(async_store: Any) -> None:
+    keys = [f"k{i}" for i in range(40)]
+    first = await asyncio.gather(*(areserve(async_store, key) for key in keys))
+    again = await asyncio.gather(*(areserve(async_store, key) for key in keys))
+    assert all(isinstance(r, Acquired) for r in first)
+    assert not any(isinstance(r, Acquired) for r in again)  # each one's own answer
+    assert 1 <= len(async_store._lane._idle) <= len(keys)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_async_call_leaves_no_reply_for_the_next(async_store: Any) -> None:
+    await areserve(async_store, "warm")
+    for n in range(20):
+        task = asyncio.ensure_future(areserve(async_store, f"c{n}"))
+        for _ in range(n % 4):
+            await asyncio.sleep(0)  # cancelled before, during or after the send
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # Whatever the cancelled call did (undone by its nonce if it took the key), the
+        # next call on the kept connection reads its own reply.
+        assert isinstance(await areserve(async_store, f"fresh{n}"), Acquired)
+        assert not isinstance(await areserve(async_store, f"fresh{n}"), Acquired)
+
+
+@pytest.mark.anyio
+async def test_an_apps_async_client_carries_every_command_itself(redis_url: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    store = AsyncRedisStore(client=client, prefix=f"lane-{secrets.token_hex(4)}")
+    assert store._lane is None
+    await store.aclose()
+    await client.aclose()

@@ -20,6 +20,7 @@ from .._scan import ScanFilter
 from . import _ops
 from ._connect import connect
 from ._errors import ERRORS, translated, translating
+from ._lane import async_lane_for
 from ._ops import Batch, Call, Command, Place, Run
 from ._protocol import Keys, wrong_type
 from ._scripts import SCRIPTS
@@ -66,6 +67,7 @@ class AsyncRedisStore:
         # their script ran. So the first call of a cluster store fetches the map first.
         self._cold = self._cluster
         self._scripts = {name: built.register_script(text) for name, text in SCRIPTS.items()}
+        self._lane = async_lane_for(built, self._owned)
         self._undoing: set[asyncio.Task[None]] = set()
         self._place = Place()
 
@@ -101,7 +103,10 @@ class AsyncRedisStore:
         if isinstance(call, Run):
             started = self._evalsha(call)
         elif isinstance(call, Command):
-            started = getattr(self.client, call.name)(*call.args, **call.options)
+            if call.name == "execute_command" and self._lane is not None:
+                started = self._lane.call(*call.args)  # the reservation's SET: a raw reply
+            else:
+                started = getattr(self.client, call.name)(*call.args, **call.options)
         elif isinstance(call, Batch):
             started = self._pipelined(call)
         else:
@@ -112,10 +117,9 @@ class AsyncRedisStore:
         """``run`` as one EVALSHA (redis-py's Script adds argument checks the hot path pays
         for); a server that lost the script gets it again."""
         script = self._scripts[run.script]
+        send = self.client.execute_command if self._lane is None else self._lane.call
         try:
-            return await self.client.execute_command(
-                "EVALSHA", script.sha, len(run.keys), *run.keys, *run.args
-            )
+            return await send("EVALSHA", script.sha, len(run.keys), *run.keys, *run.args)
         except redis.exceptions.NoScriptError:
             return await script(keys=run.keys, args=run.args)  # loads it, then runs it
 
@@ -245,5 +249,7 @@ class AsyncRedisStore:
 
     async def aclose(self) -> None:
         await self._drain()
+        if self._lane is not None:
+            await self._lane.aclose()
         if self._owned:
             await self.client.aclose()

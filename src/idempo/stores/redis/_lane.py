@@ -19,10 +19,30 @@ import os
 from typing import Any
 
 import redis
+import redis.asyncio
 import redis.exceptions
 
 
-class Lane:
+class _Kept:
+    """The connections a lane keeps between calls, by process: what both faces share."""
+
+    def __init__(self, client: Any) -> None:
+        self._pool = client.connection_pool
+        # Taken with pop() and given back with append(), each atomic: no lock is needed.
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+
+    def _kept(self) -> Any:
+        """A kept connection, or None when there is none to take."""
+        if self._pid != os.getpid():
+            # The parent's sockets are not this process's to use or to close.
+            self._idle = []
+            self._pid = os.getpid()
+        idle = self._idle
+        return idle.pop() if idle else None
+
+
+class Lane(_Kept):
     """Send one command and read its reply on a connection of ``client``'s pool that is kept
     for the next command (each one used by one caller at a time).
 
@@ -31,20 +51,11 @@ class Lane:
         lane.close()
     """
 
-    def __init__(self, client: redis.Redis) -> None:
-        self._pool = client.connection_pool
-        # Taken with pop() and given back with append(), each atomic: no lock is needed.
-        self._idle: list[Any] = []
-        self._pid = os.getpid()
-
     def call(self, *args: Any) -> Any:
         """The reply to command ``args``, raw (no response callback); a connection that
         broke is retried as the client's retry says, and an error reply is raised."""
-        if self._pid != os.getpid():
-            self._forked()
-        try:
-            conn = self._idle.pop()
-        except IndexError:
+        conn = self._kept()
+        if conn is None:
             conn = self._pool.get_connection()
         try:
             return conn.retry.call_with_retry(
@@ -53,17 +64,13 @@ class Lane:
         except redis.exceptions.ResponseError:
             raise  # Redis answered: the connection is in step
         except BaseException:
-            # A reply may be half read (a timeout, an interrupt): the next caller must not
-            # read it as its own. A disconnected connection connects again when next used.
+            # A reply may be left unread (an interrupt between the send and the read): the
+            # next caller must not read it as its own. A disconnected connection connects
+            # again when next used.
             conn.disconnect()
             raise
         finally:
             self._idle.append(conn)
-
-    def _forked(self) -> None:
-        # The parent's sockets are not this process's to use or to close.
-        self._idle = []
-        self._pid = os.getpid()
 
     def close(self) -> None:
         """Give every kept connection back to the pool (the client's close then closes it)."""
@@ -71,9 +78,37 @@ class Lane:
             self._pool.release(self._idle.pop())
 
 
+class AsyncLane(_Kept):
+    """`Lane` for redis-py's asyncio client. redis-py's asyncio connection disconnects
+    itself when a send or a read is interrupted (a cancellation among them), and there is no
+    suspension between the two, so no reply is ever left for the next caller."""
+
+    async def call(self, *args: Any) -> Any:
+        """`Lane.call`, awaited."""
+        conn = self._kept()
+        if conn is None:
+            conn = await self._pool.get_connection()
+        try:
+            return await conn.retry.call_with_retry(
+                lambda: _asend(conn, args), lambda _error: conn.disconnect()
+            )
+        finally:
+            self._idle.append(conn)
+
+    async def aclose(self) -> None:
+        """`Lane.close`, awaited."""
+        while self._idle:
+            await self._pool.release(self._idle.pop())
+
+
 def _send(conn: Any, args: tuple[Any, ...]) -> Any:
     conn.send_command(*args)
     return conn.read_response()
+
+
+async def _asend(conn: Any, args: tuple[Any, ...]) -> Any:
+    await conn.send_command(*args)
+    return await conn.read_response()
 
 
 def lane_for(client: Any, owned: bool) -> Lane | None:
@@ -82,3 +117,10 @@ def lane_for(client: Any, owned: bool) -> Lane | None:
     if not owned or type(client) is not redis.Redis or client.connection is not None:
         return None
     return Lane(client)
+
+
+def async_lane_for(client: Any, owned: bool) -> AsyncLane | None:
+    """`lane_for`, for redis-py's asyncio client."""
+    if not owned or type(client) is not redis.asyncio.Redis or client.connection is not None:
+        return None
+    return AsyncLane(client)
