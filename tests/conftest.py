@@ -192,15 +192,22 @@ def pg_schema(postgres_url: str) -> Iterator[str]:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-@pytest.fixture
-def pg_store(postgres_url: str, pg_schema: str) -> Iterator[PostgresStore]:
-    """A migrated PostgresStore whose table lives in the test's own schema."""
-    store = PostgresStore(postgres_url, table=f"{pg_schema}.idempo_records", max_size=40)
+@contextmanager
+def migrated_pg_store(url: str, schema: str, **options: Any) -> Iterator[PostgresStore]:
+    """A migrated PostgresStore (``options`` given to it) with its table in ``schema``."""
+    store = PostgresStore(url, table=f"{schema}.idempo_records", max_size=40, **options)
     store.migrate()
     try:
         yield store
     finally:
         store.close()
+
+
+@pytest.fixture
+def pg_store(postgres_url: str, pg_schema: str) -> Iterator[PostgresStore]:
+    """A migrated PostgresStore whose table lives in the test's own schema."""
+    with migrated_pg_store(postgres_url, pg_schema) as store:
+        yield store
 
 
 @pytest.fixture

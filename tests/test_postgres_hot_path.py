@@ -26,6 +26,7 @@ from psycopg.pq import Trace, TransactionStatus
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
+from conftest import migrated_pg_store
 from helpers import new_key
 from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
@@ -71,13 +72,8 @@ class RoundTrips:
 def pg_store(postgres_url: str, pg_schema: str) -> Iterator[PostgresStore]:
     """The store with replays in one round trip (``one_trip_replays``), which most tests here
     are about; `test_by_default_a_replay_ends_its_transaction_without_an_error` is not."""
-    table = f"{pg_schema}.idempo_records"
-    store = PostgresStore(postgres_url, table=table, max_size=40, one_trip_replays=True)
-    store.migrate()
-    try:
+    with migrated_pg_store(postgres_url, pg_schema, one_trip_replays=True) as store:
         yield store
-    finally:
-        store.close()
 
 
 @pytest.fixture
