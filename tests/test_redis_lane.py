@@ -189,3 +189,15 @@ async def test_an_apps_async_client_carries_every_command_itself(redis_url: str)
     assert store._lane is None
     await store.aclose()
     await client.aclose()
+
+
+def test_a_client_side_cache_keeps_redis_pys_own_path(redis_url: str) -> None:
+    """redis-py reads a cache's invalidations on each command. (Caching needs Redis 7.4:
+    this server refuses it on connecting, so only the choice is checked.)"""
+    from redis.cache import CacheConfig
+
+    store = RedisStore(redis_url, prefix="lane-cache", protocol=3, cache_config=CacheConfig())
+    try:
+        assert store._lane is None
+    finally:
+        store.close()

@@ -116,6 +116,8 @@ def lane_for(client: Any, owned: bool) -> Lane | None:
     every command itself (the app's client, a cluster, a client with one connection)."""
     if not owned or type(client) is not redis.Redis or client.connection is not None:
         return None
+    if getattr(client.connection_pool, "cache", None) is not None:
+        return None  # redis-py's client-side cache reads its invalidations on each command
     return Lane(client)
 
 
