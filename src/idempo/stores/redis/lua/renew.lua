@@ -24,4 +24,8 @@ local value = struct.pack(HEADER, 'i', clk, r.tok, r.ca, now, le, ea, r.nonce, r
 value = string.sub(value, 1, 54) .. string.sub(v, 55, r.fp_end) .. (point or '')
   .. string.sub(v, r.rp_end + 1, r.body)
 redis.call('SET', key, value, 'PX', px(ea, now, given, ARGV[4]))
+-- A lease ended by its holder (a checkpoint of lease 0, the flow's release once steps have
+-- committed) can be taken over at once: a duplicate waiting on the record is told, as for
+-- a release (`wait_settled`).
+if tonumber(ARGV[3]) <= 0 then redis.call('PUBLISH', key, '') end
 return ea
