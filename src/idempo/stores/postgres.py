@@ -658,25 +658,12 @@ def _timeout(connector: _Connector | None) -> timedelta | None:
 _NO_SEAT_POLL_SECONDS = 0.05
 
 
-class _Seats:
+def _seats(pool_size: int) -> threading.Semaphore:
     """How many waiting duplicates may hold one of the pool's connections at once: half of
     them, so that waiters never take the connections the attempts they wait for need to
-    settle (a waiter beyond that polls). Counted under a lock: a store is shared by threads."""
-
-    def __init__(self, pool_size: int) -> None:
-        self._free = pool_size // 2
-        self._lock = threading.Lock()
-
-    def take(self) -> bool:
-        with self._lock:
-            if self._free <= 0:
-                return False
-            self._free -= 1
-            return True
-
-    def give(self) -> None:
-        with self._lock:
-            self._free += 1
+    settle (a waiter that finds no seat polls). A semaphore taken without blocking: a store
+    is shared by threads, and an async waiter must not block its loop."""
+    return threading.Semaphore(pool_size // 2)
 
 
 @contextmanager
@@ -775,7 +762,7 @@ class PostgresStore(SqlStore):
         self._connector = _connector(conninfo, connect_timeout, max_size)
         self._watchdog = _watchdog(self._connector, read_timeout)
         self._pool: ConnectionPool[Any] = _pool(conninfo, self._connector, ConnectionPool, _watched)
-        self._seats = _Seats(self._pool.max_size)
+        self._seats = _seats(self._pool.max_size)
         self.connect_timeout = _timeout(self._connector)
         self.read_timeout = timedelta(seconds=self._watchdog.bound)
 
@@ -831,13 +818,13 @@ class PostgresStore(SqlStore):
         >>> store.wait_settled(scope, seconds=30)  # doctest: +SKIP
         """
         watch = self.dialect.watch(scope, seconds)
-        if not self._seats.take():
+        if not self._seats.acquire(blocking=False):
             sleep(min(seconds, _NO_SEAT_POLL_SECONDS))
             return
         try:
             self._wait(watch)
         finally:
-            self._seats.give()
+            self._seats.release()
 
     def _wait(self, watch: Watch) -> None:
         with suppress(Exception), self._connection(watch.left()) as conn, _closed_unless_done(conn):
@@ -903,7 +890,7 @@ class AsyncPostgresStore(AsyncSqlStore):
         self._pool: AsyncConnectionPool[Any] = _pool(
             conninfo, self._connector, AsyncConnectionPool, _awatched
         )
-        self._seats = _Seats(self._pool.max_size)
+        self._seats = _seats(self._pool.max_size)
         self._opened = not self._owns_pool
         self.connect_timeout = _timeout(self._connector)
 
@@ -959,13 +946,13 @@ class AsyncPostgresStore(AsyncSqlStore):
         """`PostgresStore.wait_settled`, on this store's event loop; a cancelled wait closes
         its connection (the pool replaces it)."""
         watch = self.dialect.watch(scope, seconds)
-        if not self._seats.take():
+        if not self._seats.acquire(blocking=False):
             await asyncio.sleep(min(seconds, _NO_SEAT_POLL_SECONDS))
             return
         try:
             await self._wait(watch)
         finally:
-            self._seats.give()
+            self._seats.release()
 
     async def _wait(self, watch: Watch) -> None:
         with suppress(Exception):
