@@ -1,7 +1,7 @@
 """`make bench`: every benchmark family in one run, and one table of each path against the
 goal issue 15 sets for it (docs/benchmarks.md, "distance to the floor").
 
-    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,http,wake]
+    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,http,wake,growth,rgrowth]
 
 Each family runs in a process of its own (bench/<script>.py, ``--quick`` unless ``--full``)
 and prints its own tables as it goes; each reports its paths to this run's table
@@ -11,7 +11,10 @@ quiet machine. ``http`` serves the same app under uvicorn and drives it with wrk
 (bench/asgi_middleware.py: idempo against the bare endpoint and the peer
 asgi-idempotency-header, which only the bench dependency group installs). A family that
 cannot run (a server down, valgrind missing) is said so and the rest go on; without wrk
-the http family is skipped, which fails nothing.
+the http family is skipped, which fails nothing. ``growth`` (PostgreSQL and MariaDB,
+bench/sql_growth.py) and ``rgrowth`` (Redis, bench/redis_growth.py) load 10^5 records (10^6
+with ``--full``) and report calls/s at that size over calls/s at 10^4, the purge's records/s
+and the live calls' p99 while a purge runs.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ FAMILIES: dict[str, list[str]] = {
     "asgi": ["asgi_overhead.py", "--instructions", "--loop", "asyncio"],
     "http": ["asgi_middleware.py"],
     "wake": ["wake_latency.py"],
+    # 10^5 records unless --full (10^6): loads, purges and the live calls during the purge
+    "growth": ["sql_growth.py", "--store", "both", "--phases", "growth,purge,live"],
+    "rgrowth": ["redis_growth.py"],
 }
-QUICK = {"redis", "postgres", "http"}  # the families whose scripts take --quick
+# the families whose scripts take --quick
+QUICK = {"redis", "postgres", "http", "growth", "rgrowth"}
 # The program a family cannot run without; missing, the family is skipped, not failed
 # (`make bench` installs wrk where apt can).
 NEEDS = {"http": "wrk"}

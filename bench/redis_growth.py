@@ -11,14 +11,15 @@ a prefix of this run's own, deleted at the end (also after a failure).
    verbs, one call at a time) and of a replay (reserve of a completed record, a random one of
    those loaded) with 10⁴ records loaded, then with ``--records``.
 3. **Purge.** ``--purge-records`` more records (default: ``--records``), completed on a clock
-   two days back, so their retention is over: ``purge(limit=1000)`` until it finds no more,
-   records/s. Meanwhile a second process makes paced live calls (a fresh call every 2 ms)
-   under the same prefix, and its p99 during the purge is compared with its p99 in the
-   seconds before and after. Then one more ``purge()`` over the keyspace where nothing is
-   expired: how long a purge that finds nothing takes.
+   two days back, so their retention is over, purged the way ``idempo purge`` does
+   (``purge_records``: batches of 1000 until a short one, resting ``--rest`` times each
+   batch's time between batches), records/s. Meanwhile a second process makes paced live
+   calls (a fresh call every 2 ms) under the same prefix, and its p99 during the purge is
+   compared with its p99 in the seconds before and after. Then one more ``purge()`` over the
+   keyspace where nothing is expired: how long a purge that finds nothing takes.
 
 Usage: python bench/redis_growth.py [--records N] [--purge-records N] [--url URL]
-                                    [--response-bytes B]
+                                    [--response-bytes B] [--rest R] [--quick]
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from typing import Any
 
 import redis
 
+from _report import report
 from idempo import Scope, Status
 from idempo._core.record import Acquired, Replay
+from idempo.cli import purge_records
 from idempo.stores.redis import RedisStore, _ops
 from redis_store import cleanup
 
@@ -53,6 +56,9 @@ SMALL = 10_000
 PURGE_LIMIT = 1000
 LIVE_EVERY_S = 0.002
 QUIET_S = 4.0  # live calls measured before and after the purge
+# Issue 15's goals, reported to `make bench`'s table (bench/_report.py).
+GROWTH_GOAL = 0.9  # calls/s at --records over calls/s at 10^4
+LIVE_GOAL = 1.2  # live p99 during a purge over the quiet windows', at most
 
 
 def scope(n: int, kind: str = "live") -> Scope:
@@ -167,13 +173,15 @@ def replay_latencies(store: RedisStore, loaded: int) -> list[float]:
     return out
 
 
-def latency_line(label: str, store: RedisStore, loaded: int, body: bytes) -> str:
-    fresh = percentiles(fresh_latencies(store, body))
-    replay = percentiles(replay_latencies(store, loaded))
-    return (
-        f"  {label:<16} fresh p50 {fresh[0]:7.0f} µs  p99 {fresh[1]:7.0f} µs"
-        f"   replay p50 {replay[0]:7.0f} µs  p99 {replay[1]:7.0f} µs"
-    )
+def latencies(label: str, store: RedisStore, loaded: int, body: bytes) -> dict[str, float]:
+    """Print a line of p50/p99 per kind of call; the mean µs of each kind."""
+    samples = {"fresh": fresh_latencies(store, body), "replay": replay_latencies(store, loaded)}
+    line = f"  {label:<16}"
+    for kind, values in samples.items():
+        p50, p99 = percentiles(values)
+        line += f" {kind} p50 {p50:7.0f} µs  p99 {p99:7.0f} µs  "
+    print(line.rstrip())
+    return {kind: statistics.fmean(values) for kind, values in samples.items()}
 
 
 # --------------------------------------------------------------------------- the live caller
@@ -231,7 +239,7 @@ def p99_between(samples: list[tuple[float, float]], start: float, stop: float) -
 # --------------------------------------------------------------------------- main
 
 
-def run(url: str, records: int, expired: int, response_bytes: int) -> None:
+def run(url: str, records: int, expired: int, response_bytes: int, rest: float) -> None:
     body = (b'{"id":"' + b"x" * response_bytes)[: max(response_bytes - 2, 0)] + b'"}'
     body = body[:response_bytes]
     store = RedisStore(url, prefix=PREFIX)
@@ -247,24 +255,27 @@ def run(url: str, records: int, expired: int, response_bytes: int) -> None:
         started = time.perf_counter()
         load(store, 0, small, "live", body, None)
         print("latency (the store's verbs, one call at a time):")
-        print(latency_line(f"{small} records", store, small, body))
+        at_small = latencies(f"{small} records", store, small, body)
         load(store, small, records, "live", body, None)
         loaded_s = time.perf_counter() - started
         grown = used_memory(client) - before
-        print(latency_line(f"{records} records", store, records, body))
+        at_records = latencies(f"{records} records", store, records, body)
+        for kind, mean_us in at_records.items():
+            path = f"redis {kind}: at {records:,} records / at {small:,}"
+            report("growth", path, at_small[kind] / mean_us, GROWTH_GOAL)
         print(
             f"memory: {grown / records:.0f} bytes per record (used_memory +{grown / 2**20:.1f} MiB"
             f" for {records} records, loaded at {records / loaded_s:,.0f} records/s)"
         )
+        path = f"redis memory per record, bytes ({len(body)}-byte responses)"
+        report("growth", path, grown / records, None, unit="", lower_is_better=True)
 
         past = datetime.now(UTC) - timedelta(days=2)
         load(store, 0, expired, "expired", body, past)
         with live_caller(url) as samples:
             time.sleep(QUIET_S)
             purge_start = time.monotonic()
-            purged = 0
-            while (deleted := store.purge(before=None, limit=PURGE_LIMIT)) > 0:
-                purged += deleted
+            purged = purge_records(store, batch=PURGE_LIMIT, rest=rest)
             purge_s = time.monotonic() - purge_start
             purge_stop = time.monotonic()
             time.sleep(QUIET_S)
@@ -277,19 +288,26 @@ def run(url: str, records: int, expired: int, response_bytes: int) -> None:
         during_p99, during_n = p99_between(samples, purge_start, purge_stop)
         print(
             f"purge: {purged} expired records in {purge_s:.2f} s, {purged / purge_s:,.0f}"
-            f" records/s (limit {PURGE_LIMIT} per call)"
+            f" records/s (limit {PURGE_LIMIT} per call, rest {rest:g})"
         )
         print(
             f"live p99: {during_p99:.0f} µs during the purge ({during_n} calls), {quiet_p99:.0f} µs"
             f" in the {QUIET_S:g} s before and after ({len(quiet)} calls):"
             f" {during_p99 / quiet_p99:.2f}x"
         )
+        path = f"redis purge of {purged:,} expired, records/s (rest {rest:g})"
+        report("growth", path, purged / purge_s, None, unit="")
+        path = f"redis fresh: live p99 during a purge / quiet, {records:,} records"
+        report("growth", path, during_p99 / quiet_p99, LIVE_GOAL, lower_is_better=True)
         started = time.perf_counter()
         nothing = store.purge(before=None, limit=PURGE_LIMIT)
+        nothing_ms = (time.perf_counter() - started) * 1000
         print(
             f"a purge that finds nothing ({nothing} purged) over {records} live records:"
-            f" {(time.perf_counter() - started) * 1000:.1f} ms"
+            f" {nothing_ms:.1f} ms"
         )
+        path = f"redis purge finding nothing, {records:,} records, ms"
+        report("growth", path, nothing_ms, None, unit="")
     finally:
         store.close()
         print(f"cleanup: deleted {cleanup(url, PREFIX)} keys under {PREFIX}")
@@ -305,8 +323,19 @@ def main() -> None:
     parser.add_argument(
         "--response-bytes", type=int, default=100, help="each record's response (default: 100)"
     )
+    parser.add_argument(
+        "--rest",
+        type=float,
+        default=1.0,
+        help="idempo purge's rest between batches, times the batch's time (0: flat out)",
+    )
+    parser.add_argument("--quick", action="store_true", help="at most 10^5 records")
     args = parser.parse_args()
-    run(args.url, args.records, args.purge_records or args.records, args.response_bytes)
+    if args.quick:
+        args.records = min(args.records, 100_000)
+        args.purge_records = min(args.purge_records or args.records, 100_000)
+    expired = args.purge_records or args.records
+    run(args.url, args.records, expired, args.response_bytes, args.rest)
 
 
 if __name__ == "__main__":

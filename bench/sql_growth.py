@@ -47,6 +47,7 @@ from typing import Any
 import psycopg
 import pymysql
 
+from _report import report
 from idempo import Idempotency
 from idempo.stores.mysql import MySQLStore, connect_options
 from idempo.stores.postgres import PostgresStore
@@ -331,7 +332,19 @@ def _scope(key: str) -> Any:
     return Scope.of(key, operation=OPERATION, principal=PRINCIPAL)
 
 
-def growth(server: Server, small: int, big: int, calls: int, pad: int) -> None:
+# Issue 15's goals, reported to `make bench`'s table (bench/_report.py).
+GROWTH_GOAL = 0.9  # calls/s at N over calls/s at 10^4, every store
+PURGE_GOAL = {"postgres": 100_000, "mariadb": 50_000}  # records/s
+LIVE_GOAL = 1.2  # live p99 during a purge over the quiet window's, at most
+
+
+def sized(n: int) -> str:
+    """10^6 rather than 1000000 in a row's name."""
+    power = len(str(n)) - 1
+    return f"10^{power}" if n == 10**power else f"{n:,}"
+
+
+def growth(server: Server, name: str, small: int, big: int, calls: int, pad: int) -> None:
     guards = {size: Guarded(server.store(f"g{size}"), pad, f"g{size}") for size in (small, big)}
     try:
         for guard in guards.values():
@@ -359,6 +372,9 @@ def growth(server: Server, small: int, big: int, calls: int, pad: int) -> None:
             print(
                 f"{kind:<22}{ms(pct(a, 0.5)):>9}{ms(pct(b, 0.5)):>9}"
                 f"{ms(pct(a, 0.99)):>9}{ms(pct(b, 0.99)):>9}{ratio:>9.2f}"
+            )
+            report(
+                "growth", f"{name} {kind}: at {sized(big)} / at {sized(small)}", ratio, GROWTH_GOAL
             )
     finally:
         for guard in guards.values():
@@ -406,7 +422,9 @@ def purge_all(store: Any, batch: int, rest: float) -> int:
     return int(purge_records(store, batch=batch, rest=rest))
 
 
-def purge(server: Server, big: int, count: int, batch: int, rest: float, fp: str, pad: int) -> None:
+def purge(
+    server: Server, name: str, big: int, count: int, batch: int, rest: float, fp: str, pad: int
+) -> None:
     server.migrate("expired")
     started = time.perf_counter()
     server.load("expired", count, expired=True, fingerprint=fp, pad=pad)
@@ -418,6 +436,8 @@ def purge(server: Server, big: int, count: int, batch: int, rest: float, fp: str
         took = time.perf_counter() - started
         rate = f"{purged / took:,.0f} records/s (batch {batch}, rest {rest:g})"
         print(f"  purged {purged} in {took:.2f} s: {rate}")
+        path = f"{name} purge of {sized(count)} expired, records/s (rest {rest:g})"
+        report("growth", path, purged / took, PURGE_GOAL[name], unit="")
         left = server.count("expired")
         if left:
             print(f"  !! {left} records left")
@@ -489,6 +509,8 @@ def live(
                 f"{ms(pct(d, 0.99)):>10}{ms(max(q)):>10}{ms(max(d)):>10}"
                 f"{pct(d, 0.99) / pct(q, 0.99):>7.2f}"
             )
+            path = f"{kind} {name}: live p99 during a purge / quiet, {sized(big)} records"
+            report("growth", path, pct(d, 0.99) / pct(q, 0.99), LIVE_GOAL, lower_is_better=True)
     finally:
         guard.close()
 
@@ -572,9 +594,9 @@ def run(kind: str, args: argparse.Namespace) -> None:
             print(f"loaded {size} records in {time.perf_counter() - started:.1f} s")
         phases = args.phases
         if "growth" in phases:
-            growth(server, args.small, args.records, args.calls, args.pad)
+            growth(server, kind, args.small, args.records, args.calls, args.pad)
         if "purge" in phases:
-            purge(server, args.records, args.records, args.batch, args.rest, fp, args.pad)
+            purge(server, kind, args.records, args.records, args.batch, args.rest, fp, args.pad)
         if "live" in phases:
             live(server, kind, args, args.records, args.records, fp)
         if "concurrency" in phases:
