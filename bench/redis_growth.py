@@ -9,14 +9,18 @@ a prefix of this run's own, deleted at the end (also after a failure).
    Redis's clock, a ``--response-bytes`` response each), per record.
 2. **Latency as the keyspace grows.** p50/p99 of a fresh call (reserve, complete: the store's
    verbs, one call at a time) and of a replay (reserve of a completed record, a random one of
-   those loaded) with 10⁴ records loaded, then with ``--records``.
+   those loaded) on a keyspace of ``--records`` and on one of 10⁴ (in database ``--small-db``
+   of the same server), in rounds that alternate between the two, so the machine's load
+   falls on both alike.
 3. **Purge.** ``--purge-records`` more records (default: ``--records``), completed on a clock
    two days back, so their retention is over, purged the way ``idempo purge`` does
    (``purge_records``: batches of 1000 until a short one, resting ``--rest`` times each
    batch's time between batches), records/s. Meanwhile a second process makes paced live
-   calls (a fresh call every 2 ms) under the same prefix, and its p99 during the purge is
-   compared with its p99 in the seconds before and after. Then one more ``purge()`` over the
-   keyspace where nothing is expired: how long a purge that finds nothing takes.
+   calls (a fresh call every 2 ms) under the same prefix; the purge pauses for a second
+   after every second of purging, and the p99 of the calls made while it purged is
+   compared with the p99 of those made in its pauses (bench/_purge_windows.py). Then one
+   more ``purge()`` over the keyspace where nothing is expired: how long a purge that finds
+   nothing takes.
 
 Usage: python bench/redis_growth.py [--records N] [--purge-records N] [--url URL]
                                     [--response-bytes B] [--rest R] [--quick]
@@ -35,9 +39,11 @@ from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from _purge_windows import PurgeWindows
 from _report import report
 from idempo import Scope, Status
 from idempo._core.record import Acquired, Replay
@@ -53,9 +59,11 @@ TTL = timedelta(hours=24)
 PIPELINE = 1000  # flows stepped together, one pipeline per step
 SAMPLES = 2000  # latency samples per measurement
 SMALL = 10_000
+SMALL_DB = 15  # the 10^4 keyspace: a database of its own beside the URL's (``--small-db``)
+ROUNDS = 10
 PURGE_LIMIT = 1000
 LIVE_EVERY_S = 0.002
-QUIET_S = 4.0  # live calls measured before and after the purge
+WINDOW_S = 1.0  # the purge pauses this long after every this long (bench/_purge_windows.py)
 # Issue 15's goals, reported to `make bench`'s table (bench/_report.py).
 GROWTH_GOAL = 0.9  # calls/s at --records over calls/s at 10^4
 LIVE_GOAL = 1.2  # live p99 during a purge over the quiet windows', at most
@@ -150,9 +158,9 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 _fresh_serial = iter(range(10**9))
 
 
-def fresh_latencies(store: RedisStore, body: bytes) -> list[float]:
+def fresh_latencies(store: RedisStore, body: bytes, samples: int) -> list[float]:
     out = []
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         s = scope(next(_fresh_serial), "fresh")
         started = time.perf_counter_ns()
         reservation = store.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL)
@@ -162,9 +170,9 @@ def fresh_latencies(store: RedisStore, body: bytes) -> list[float]:
     return out
 
 
-def replay_latencies(store: RedisStore, loaded: int) -> list[float]:
+def replay_latencies(store: RedisStore, loaded: int, samples: int) -> list[float]:
     out = []
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         n = random.randrange(loaded)
         started = time.perf_counter_ns()
         verdict = store.reserve(scope(n), fingerprint(n), now=None, lease=LEASE, ttl=TTL)
@@ -173,15 +181,25 @@ def replay_latencies(store: RedisStore, loaded: int) -> list[float]:
     return out
 
 
-def latencies(label: str, store: RedisStore, loaded: int, body: bytes) -> dict[str, float]:
-    """Print a line of p50/p99 per kind of call; the mean µs of each kind."""
-    samples = {"fresh": fresh_latencies(store, body), "replay": replay_latencies(store, loaded)}
-    line = f"  {label:<16}"
-    for kind, values in samples.items():
-        p50, p99 = percentiles(values)
-        line += f" {kind} p50 {p50:7.0f} µs  p99 {p99:7.0f} µs  "
-    print(line.rstrip())
-    return {kind: statistics.fmean(values) for kind, values in samples.items()}
+def latencies(stores: dict[int, RedisStore], body: bytes) -> dict[int, dict[str, float]]:
+    """Fresh calls and replays on each keyspace (size: its store), in rounds that alternate
+    between them so that the machine's load falls on each alike; prints p50/p99 per size and
+    kind, returns the median µs per size and kind (a mean on this shared machine is the
+    scheduler's stalls, not the keyspace)."""
+    samples: dict[int, dict[str, list[float]]] = {n: {"fresh": [], "replay": []} for n in stores}
+    per_round = SAMPLES // ROUNDS
+    for round_ in range(ROUNDS):
+        order = list(stores.items())
+        for size, store in order[round_ % 2 :] + order[: round_ % 2]:
+            samples[size]["fresh"] += fresh_latencies(store, body, per_round)
+            samples[size]["replay"] += replay_latencies(store, size, per_round)
+    for size, kinds in samples.items():
+        line = f"  {size} records".ljust(18)
+        for kind, values in kinds.items():
+            p50, p99 = percentiles(values)
+            line += f" {kind} p50 {p50:7.0f} µs  p99 {p99:7.0f} µs  "
+        print(line.rstrip())
+    return {n: {k: statistics.median(v) for k, v in kinds.items()} for n, kinds in samples.items()}
 
 
 # --------------------------------------------------------------------------- the live caller
@@ -229,23 +247,30 @@ def live_caller(url: str) -> Iterator[list[tuple[float, float]]]:
         process.join(30)
 
 
-def p99_between(samples: list[tuple[float, float]], start: float, stop: float) -> tuple[float, int]:
-    window = [us for at, us in samples if start <= at < stop]
-    if len(window) < 20:
-        return float("nan"), len(window)
-    return percentiles(window)[1], len(window)
-
-
 # --------------------------------------------------------------------------- main
 
 
-def run(url: str, records: int, expired: int, response_bytes: int, rest: float) -> None:
+def db_of(url: str) -> int:
+    return int(urlsplit(url).path.strip("/") or 0)
+
+
+def with_db(url: str, db: int) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
+
+
+def run(
+    url: str, records: int, expired: int, response_bytes: int, rest: float, small_db: int
+) -> None:
     body = (b'{"id":"' + b"x" * response_bytes)[: max(response_bytes - 2, 0)] + b'"}'
     body = body[:response_bytes]
+    if small_db == db_of(url):
+        raise SystemExit(f"--small-db must differ from the URL's database ({small_db})")
     store = RedisStore(url, prefix=PREFIX)
+    small_url = with_db(url, small_db)
+    small_store = RedisStore(small_url, prefix=PREFIX)
     client = store.client
     info: Any = client.info("server")
-    small = min(SMALL, records)
+    small = min(SMALL, records // 10)
     print(
         f"Redis {info['redis_version']} at {url}; {records} records, responses of"
         f" {len(body)} bytes; idempo from {os.path.dirname(_ops.__file__)}"
@@ -253,16 +278,18 @@ def run(url: str, records: int, expired: int, response_bytes: int, rest: float) 
     try:
         before = used_memory(client)
         started = time.perf_counter()
-        load(store, 0, small, "live", body, None)
-        print("latency (the store's verbs, one call at a time):")
-        at_small = latencies(f"{small} records", store, small, body)
-        load(store, small, records, "live", body, None)
+        load(store, 0, records, "live", body, None)
         loaded_s = time.perf_counter() - started
         grown = used_memory(client) - before
-        at_records = latencies(f"{records} records", store, records, body)
-        for kind, mean_us in at_records.items():
+        load(small_store, 0, small, "live", body, None)
+        print(
+            f"latency (the store's verbs, one call at a time; {ROUNDS} rounds, alternating"
+            f" between {records} records in db {db_of(url)} and {small} in db {db_of(small_url)}):"
+        )
+        means = latencies({small: small_store, records: store}, body)
+        for kind in ("fresh", "replay"):
             path = f"redis {kind}: at {records:,} records / at {small:,}"
-            report("growth", path, at_small[kind] / mean_us, GROWTH_GOAL)
+            report("growth", path, means[small][kind] / means[records][kind], GROWTH_GOAL)
         print(
             f"memory: {grown / records:.0f} bytes per record (used_memory +{grown / 2**20:.1f} MiB"
             f" for {records} records, loaded at {records / loaded_s:,.0f} records/s)"
@@ -272,33 +299,28 @@ def run(url: str, records: int, expired: int, response_bytes: int, rest: float) 
 
         past = datetime.now(UTC) - timedelta(days=2)
         load(store, 0, expired, "expired", body, past)
+        windows = PurgeWindows(WINDOW_S)
         with live_caller(url) as samples:
-            time.sleep(QUIET_S)
-            purge_start = time.monotonic()
-            purged = purge_records(store, batch=PURGE_LIMIT, rest=rest)
-            purge_s = time.monotonic() - purge_start
-            purge_stop = time.monotonic()
-            time.sleep(QUIET_S)
-        quiet = [
-            us
-            for at, us in samples
-            if purge_start - QUIET_S <= at < purge_start or purge_stop <= at < purge_stop + QUIET_S
-        ]
-        quiet_p99 = percentiles(quiet)[1] if len(quiet) >= 20 else float("nan")
-        during_p99, during_n = p99_between(samples, purge_start, purge_stop)
+            time.sleep(WINDOW_S)
+            purged = purge_records(store, batch=PURGE_LIMIT, rest=rest, sleep=windows.sleep)
+            windows.close()
+        during, quiet = windows.split(samples)
+        purge_s = windows.purging_seconds()
         print(
-            f"purge: {purged} expired records in {purge_s:.2f} s, {purged / purge_s:,.0f}"
-            f" records/s (limit {PURGE_LIMIT} per call, rest {rest:g})"
+            f"purge: {purged} expired records in {purge_s:.2f} s of purging,"
+            f" {purged / purge_s:,.0f} records/s (limit {PURGE_LIMIT} per call, rest {rest:g};"
+            f" paused {WINDOW_S:g} s after every {WINDOW_S:g} s)"
         )
+        ratio = percentiles(during)[1] / percentiles(quiet)[1]
         print(
-            f"live p99: {during_p99:.0f} µs during the purge ({during_n} calls), {quiet_p99:.0f} µs"
-            f" in the {QUIET_S:g} s before and after ({len(quiet)} calls):"
-            f" {during_p99 / quiet_p99:.2f}x"
+            f"live p99: {percentiles(during)[1]:.0f} µs while purging ({len(during)} calls),"
+            f" {percentiles(quiet)[1]:.0f} µs in the pauses between ({len(quiet)} calls):"
+            f" {ratio:.2f}x"
         )
         path = f"redis purge of {purged:,} expired, records/s (rest {rest:g})"
         report("growth", path, purged / purge_s, None, unit="")
-        path = f"redis fresh: live p99 during a purge / quiet, {records:,} records"
-        report("growth", path, during_p99 / quiet_p99, LIVE_GOAL, lower_is_better=True)
+        path = f"redis fresh: live p99 during a purge / between, {records:,} records"
+        report("growth", path, ratio, LIVE_GOAL, lower_is_better=True)
         started = time.perf_counter()
         nothing = store.purge(before=None, limit=PURGE_LIMIT)
         nothing_ms = (time.perf_counter() - started) * 1000
@@ -310,7 +332,9 @@ def run(url: str, records: int, expired: int, response_bytes: int, rest: float) 
         report("growth", path, nothing_ms, None, unit="")
     finally:
         store.close()
-        print(f"cleanup: deleted {cleanup(url, PREFIX)} keys under {PREFIX}")
+        small_store.close()
+        deleted = cleanup(url, PREFIX) + cleanup(small_url, PREFIX)
+        print(f"cleanup: deleted {deleted} keys under {PREFIX}")
 
 
 def main() -> None:
@@ -329,13 +353,19 @@ def main() -> None:
         default=1.0,
         help="idempo purge's rest between batches, times the batch's time (0: flat out)",
     )
+    parser.add_argument(
+        "--small-db",
+        type=int,
+        default=SMALL_DB,
+        help="the database of the 10^4 keyspace, beside the URL's (default: %(default)s)",
+    )
     parser.add_argument("--quick", action="store_true", help="at most 10^5 records")
     args = parser.parse_args()
     if args.quick:
         args.records = min(args.records, 100_000)
         args.purge_records = min(args.purge_records or args.records, 100_000)
     expired = args.purge_records or args.records
-    run(args.url, args.records, expired, args.response_bytes, args.rest)
+    run(args.url, args.records, expired, args.response_bytes, args.rest, args.small_db)
 
 
 if __name__ == "__main__":
