@@ -15,7 +15,9 @@ What it measures, per server, in a schema (PostgreSQL) or database (MariaDB) of 
                  the time of a purge that finds nothing (on the emptied table, and on the
                  table of N live records).
     live         p50/p99/max of fresh and replay calls on the N table while a purge of N
-                 expired records runs in another process, against the same calls just before.
+                 expired records runs in another process, against the same calls made in
+                 the purge's pauses (it pauses a second after every second of purging:
+                 bench/_purge_windows.py), so that the machine's load falls on both alike.
     concurrency  fresh calls/s with 1, 4, 16, 64 clients spread over several processes.
 
 Records are loaded in the database itself (generate_series, MariaDB's sequence engine) in
@@ -47,6 +49,7 @@ from typing import Any
 import psycopg
 import pymysql
 
+from _purge_windows import PurgeWindows
 from _report import report
 from idempo import Idempotency
 from idempo.stores.mysql import MySQLStore, connect_options
@@ -336,6 +339,7 @@ def _scope(key: str) -> Any:
 GROWTH_GOAL = 0.9  # calls/s at N over calls/s at 10^4, every store
 PURGE_GOAL = {"postgres": 100_000, "mariadb": 50_000}  # records/s
 LIVE_GOAL = 1.2  # live p99 during a purge over the quiet window's, at most
+WINDOW_S = 1.0  # the live phase's purge pauses this long after every this long
 
 
 def sized(n: int) -> str:
@@ -407,9 +411,12 @@ def reads(server: Server, small: int, big: int, pad: int) -> None:
         print(line)
 
 
-def purge_all(store: Any, batch: int, rest: float) -> int:
+def purge_all(
+    store: Any, batch: int, rest: float, sleep: Callable[[float], None] = time.sleep
+) -> int:
     """What ``idempo purge`` does with the records: its own loop when the CLI has one (with
-    its rest between batches), else batches until a short one, flat out."""
+    its rest between batches, slept by ``sleep``), else batches until a short one, flat
+    out."""
     try:
         from idempo.cli import purge_records  # type: ignore[attr-defined,unused-ignore]
     except ImportError:
@@ -419,7 +426,7 @@ def purge_all(store: Any, batch: int, rest: float) -> int:
             if deleted < batch:
                 break
         return total
-    return int(purge_records(store, batch=batch, rest=rest))
+    return int(purge_records(store, batch=batch, rest=rest, sleep=sleep))
 
 
 def purge(
@@ -459,8 +466,11 @@ def _purge_process(
 ) -> None:
     server = make_server(kind, pg_url, mariadb_url)
     store = server.store("expired", pool=1)
+    windows = PurgeWindows(WINDOW_S)
     try:
-        done.put((purge_all(store, batch, rest), time.perf_counter()))
+        purged = purge_all(store, batch, rest, sleep=windows.sleep)
+        windows.close()
+        done.put((purged, windows.spans))
     finally:
         store.close()
 
@@ -481,35 +491,38 @@ def live(
             args=(kind, args.pg_url, args.mariadb_url, args.batch, done, args.rest),
         )
 
-        def window(until: Callable[[], bool]) -> tuple[list[float], list[float]]:
-            fresh: list[float] = []
-            replay: list[float] = []
-            while not until():
-                fresh.append(timed(guard.fresh))
-                replay.append(timed(guard.replay_recent))
-            return fresh, replay
+        def at(op: Callable[[], None]) -> tuple[float, float]:
+            start = time.monotonic()
+            op()
+            return start, time.monotonic() - start
 
-        # The purge first, so its process has started; the quiet window then ends as long
-        # after as the purge took.
-        start = time.perf_counter()
+        # The purge pauses for WINDOW_S after every WINDOW_S of purging; the calls made in
+        # its pauses are the quiet ones (bench/_purge_windows.py), under the same load.
         proc.start()
-        during = window(lambda: not proc.is_alive())
+        fresh: list[tuple[float, float]] = []
+        replay: list[tuple[float, float]] = []
+        while proc.is_alive() and done.empty():
+            fresh.append(at(guard.fresh))
+            replay.append(at(guard.replay_recent))
+        purged, spans = done.get()  # before the join: a child exits once its queue is read
         proc.join()
-        purged, _ = done.get()
-        took = time.perf_counter() - start
-        quiet_end = time.perf_counter() + took
-        quiet = window(lambda: time.perf_counter() >= quiet_end)
-        print(f"\nlive calls on {big} records during a purge of {purged} ({took:.1f} s) and after")
+        windows = PurgeWindows(WINDOW_S)
+        windows.spans = spans
+        took = windows.purging_seconds()
+        print(
+            f"\nlive calls on {big} records during a purge of {purged} ({took:.1f} s of purging,"
+            f" paused {WINDOW_S:g} s after every {WINDOW_S:g} s) and in its pauses"
+        )
         print(f"{'call':<10}{'p50 quiet':>10}{'p50 purge':>10}{'p99 quiet':>10}{'p99 purge':>10}"
               f"{'max quiet':>10}{'max purge':>10}{'p99 x':>7}")  # fmt: skip
-        for i, name in enumerate(("fresh", "replay")):
-            q, d = quiet[i], during[i]
+        for name, samples in (("fresh", fresh), ("replay", replay)):
+            d, q = windows.split(samples)
             print(
                 f"{name:<10}{ms(pct(q, 0.5)):>10}{ms(pct(d, 0.5)):>10}{ms(pct(q, 0.99)):>10}"
                 f"{ms(pct(d, 0.99)):>10}{ms(max(q)):>10}{ms(max(d)):>10}"
                 f"{pct(d, 0.99) / pct(q, 0.99):>7.2f}"
             )
-            path = f"{kind} {name}: live p99 during a purge / quiet, {sized(big)} records"
+            path = f"{kind} {name}: live p99 during a purge / between, {sized(big)} records"
             report("growth", path, pct(d, 0.99) / pct(q, 0.99), LIVE_GOAL, lower_is_better=True)
     finally:
         guard.close()
