@@ -41,8 +41,13 @@ types: $(STAMP)
 services: $(STAMP)
 	$(BIN)/python tests/check_services.py
 
+# pytest-xdist: most of the suite's time is waiting (on the servers, on leases and timeouts
+# running out, on child processes), so more workers than the machine's two cores pay
+# (docs/testing.md has the measurements). `make pytest PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 4
+
 pytest: $(STAMP)
-	IDEMPO_TEST_REQUIRE_ALL=1 $(BIN)/python -m pytest
+	IDEMPO_TEST_REQUIRE_ALL=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # Every family of benchmarks, then one table of each path against its goal (bench/floor.py).
 # The HTTP family drives its servers with wrk: installed from Debian's packages when it is

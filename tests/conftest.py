@@ -51,6 +51,17 @@ def _postgres_reachable() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``make test``'s workers (pytest-xdist, ``--dist loadgroup``) the ``slow`` tests,
+    which spawn processes or race dozens of threads each on connections of their own, take
+    turns on one worker: two at once overran PostgreSQL's 100 connections (shared with the
+    rest of the machine) and starved each other's servers past their callers' deadlines."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("slow"))
+
+
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
     """The server's URL, after checking it answers (fail in CI, skip locally)."""
