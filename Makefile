@@ -41,10 +41,9 @@ types: $(STAMP)
 services: $(STAMP)
 	$(BIN)/python tests/check_services.py
 
-# pytest-xdist: most of the suite's time is waiting (on the servers, on leases and timeouts
-# running out, on child processes), so more workers than the machine's two cores pay
-# (docs/testing.md has the measurements). `make pytest PYTEST_WORKERS=0` runs it in one process.
-PYTEST_WORKERS ?= 4
+# pytest-xdist workers: `make pytest PYTEST_WORKERS=4` runs the suite on four. One process
+# (0) stays the default until the suite has run flake-free on workers (docs/testing.md).
+PYTEST_WORKERS ?= 0
 
 pytest: $(STAMP)
 	IDEMPO_TEST_REQUIRE_ALL=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
