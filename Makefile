@@ -41,8 +41,12 @@ types: $(STAMP)
 services: $(STAMP)
 	$(BIN)/python tests/check_services.py
 
+# pytest-xdist workers: `make pytest PYTEST_WORKERS=4` runs the suite on four. One process
+# (0) stays the default until the suite has run flake-free on workers (docs/testing.md).
+PYTEST_WORKERS ?= 0
+
 pytest: $(STAMP)
-	IDEMPO_TEST_REQUIRE_ALL=1 $(BIN)/python -m pytest
+	IDEMPO_TEST_REQUIRE_ALL=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # Every family of benchmarks, then one table of each path against its goal (bench/floor.py).
 # The HTTP family drives its servers with wrk: installed from Debian's packages when it is

@@ -17,7 +17,7 @@ from idempo.stores.mysql import connect_options
 POSTGRES_URL = os.environ.get(
     "IDEMPO_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
-REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/1")
 MYSQL_URL = os.environ.get("IDEMPO_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 RABBITMQ = ("127.0.0.1", 5672)
 NATS = ("127.0.0.1", 4222)

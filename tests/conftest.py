@@ -2,7 +2,9 @@
 every store.
 
 PostgreSQL comes from IDEMPO_TEST_POSTGRES_URL, Redis from IDEMPO_TEST_REDIS_URL and MariaDB
-from IDEMPO_TEST_MYSQL_URL (default: the machine's servers). Redis Cluster is a private
+from IDEMPO_TEST_MYSQL_URL (default: the machine's servers; on Redis, database 1, so that the
+SCANs of a test's cleanup and of the store's stats, scan and purge walk only the tests' keys,
+not the millions a benchmark may have left in database 0). Redis Cluster is a private
 three-node cluster the session starts on free loopback ports (tests/redis_servers.py). Locally
 a missing server skips its tests; with IDEMPO_TEST_REQUIRE_ALL=1 (``make test``, CI) it fails.
 """
@@ -35,7 +37,7 @@ from redis_servers import installed, redis_cluster
 POSTGRES_URL = os.environ.get(
     "IDEMPO_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
-REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/1")
 MYSQL_URL = os.environ.get("IDEMPO_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 REQUIRE_ALL = os.environ.get("IDEMPO_TEST_REQUIRE_ALL") == "1"
 
@@ -47,6 +49,17 @@ def _postgres_reachable() -> str | None:
     except psycopg.Error as exc:
         return str(exc)
     return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``make test``'s workers (pytest-xdist, ``--dist loadgroup``) the ``slow`` tests,
+    which spawn processes or race dozens of threads each on connections of their own, take
+    turns on one worker: two at once overran PostgreSQL's 100 connections (shared with the
+    rest of the machine) and starved each other's servers past their callers' deadlines."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("slow"))
 
 
 @pytest.fixture(scope="session")

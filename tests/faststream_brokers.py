@@ -55,7 +55,7 @@ from idempo.testing import FakeClock
 
 AMQP_URL = os.environ.get("IDEMPO_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 NATS_URL = os.environ.get("IDEMPO_TEST_NATS_URL", "nats://127.0.0.1:4222")
-REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/1")
 REQUIRE_ALL = os.environ.get("IDEMPO_TEST_REQUIRE_ALL") == "1"
 NAME = "billing.charge"
 TTL = timedelta(days=7)

@@ -26,6 +26,8 @@ from idempo.demo import run_storm
 from idempo.example.server import ExampleServer
 from idempo.stores import open_store
 
+pytestmark = pytest.mark.slow  # a server process per test, storms of concurrent clients
+
 GOOD = {"amount": 990, "currency": "EUR", "card": "4242424242424242"}
 LEASE = 1.0  # seconds: a killed server's keys free quickly
 

@@ -73,7 +73,7 @@ POSTGRES_URL = os.environ.get(
     "IDEMPO_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 MYSQL_URL = os.environ.get("IDEMPO_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
-REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("IDEMPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/1")
 
 # The URLs as the pages show them: `postgresql+psycopg://...` keeps its driver.
 SHOWN_POSTGRES = re.compile(r"postgresql(\+\w+)?://postgres@127\.0\.0\.1:5432/test(\?[^\s\"')]*)?")

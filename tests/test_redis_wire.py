@@ -55,8 +55,9 @@ class Trap:
 class Proxy:
     """A loopback TCP proxy in front of ``upstream``, with traps set one command at a time."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], db: int = 0) -> None:
         self.upstream = upstream
+        self.db = db  # the upstream's database: clients through the proxy select it too
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
         self.traps: list[Trap] = []
@@ -65,6 +66,11 @@ class Proxy:
         self.sockets: list[socket.socket] = []
         self.threads = [threading.Thread(target=self._accept, daemon=True)]
         self.threads[0].start()
+
+    @property
+    def url(self) -> str:
+        """A redis:// URL through the proxy, to the upstream's database."""
+        return f"redis://127.0.0.1:{self.port}/{self.db}"
 
     def trap(self, needle: bytes, action: Action) -> Trap:
         """Spring ``action`` on the next command that carries ``needle`` (after any earlier
@@ -150,7 +156,9 @@ class Proxy:
 def proxy(redis_url: str) -> Iterator[Proxy]:
     """A proxy in front of the machine's Redis server."""
     target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
-    p = Proxy((target.get("host", "127.0.0.1"), int(target.get("port", 6379))))
+    p = Proxy(
+        (target.get("host", "127.0.0.1"), int(target.get("port", 6379))), int(target.get("db", 0))
+    )
     try:
         yield p
     finally:
@@ -195,14 +203,16 @@ async def face(
     options: dict[str, Any] = {"socket_timeout": WAIT}
     store: RedisStore | AsyncRedisStore
     if built == "url":
-        url = f"redis://127.0.0.1:{proxy.port}/0"
+        url = proxy.url
         store = (RedisStore if kind == "sync" else AsyncRedisStore)(
             url, prefix=redis_prefix, **options
         )
     elif kind == "sync":
-        store = RedisStore(client=redis.Redis(port=proxy.port, **options), prefix=redis_prefix)
+        store = RedisStore(
+            client=redis.Redis(port=proxy.port, db=proxy.db, **options), prefix=redis_prefix
+        )
     else:
-        aclient = redis.asyncio.Redis(port=proxy.port, **options)
+        aclient = redis.asyncio.Redis(port=proxy.port, db=proxy.db, **options)
         store = AsyncRedisStore(client=aclient, prefix=redis_prefix)
     try:
         yield Face(store)
@@ -385,9 +395,7 @@ CANCELS = [
 async def aface(proxy: Proxy, redis_url: str, redis_prefix: str) -> Any:
     """An AsyncRedisStore through the proxy, on a client it built from a URL."""
     _load_scripts(redis_url)
-    store = AsyncRedisStore(
-        f"redis://127.0.0.1:{proxy.port}/0", prefix=redis_prefix, socket_timeout=WAIT
-    )
+    store = AsyncRedisStore(proxy.url, prefix=redis_prefix, socket_timeout=WAIT)
     try:
         yield Face(store)
     finally:
@@ -427,9 +435,7 @@ async def test_a_guarded_reserve_whose_reply_timed_out_is_undone_by_its_nonce(
     StoreUnavailableError. The store undoes the reservation by its nonce, so a retry runs the
     work at once instead of answering "in progress" until the lease ends."""
     _load_scripts(redis_url)
-    store = AsyncRedisStore(
-        f"redis://127.0.0.1:{proxy.port}/0", prefix=redis_prefix, socket_timeout=0.5
-    )
+    store = AsyncRedisStore(proxy.url, prefix=redis_prefix, socket_timeout=0.5)
     idem = AsyncIdempotency(store)
     trap = proxy.trap(Face(store).needle("reserve"), "hold-reply")
     runs = 0
