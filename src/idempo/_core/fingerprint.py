@@ -204,6 +204,19 @@ def _canonical(payload: Any) -> bytes:
     return "".join(out).encode()  # a lone surrogate in a string: UnicodeEncodeError
 
 
+def plain_canonical_bytes(value: Any) -> bytes:
+    """RFC 8785 bytes of a value the caller has proved plain (exact JSON types, no floats,
+    safe integers, no key beyond the Basic Multilingual Plane: what `_is_plain` checks), by
+    the C encoder alone: the HTTP surface proves it from the raw body, which is cheaper
+    than walking the parsed one.
+
+    Raises:
+        UnicodeEncodeError: a lone surrogate (which has no RFC 8785 form).
+        RecursionError: deeper than the C encoder goes.
+    """
+    return _encode_sorted(value).encode()
+
+
 def canonical_bytes(payload: Any) -> bytes:
     """The canonical bytes of a payload: raw bytes as given, anything else as RFC 8785 JSON.
 
