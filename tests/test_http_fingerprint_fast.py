@@ -20,7 +20,7 @@ from idempo._core.fingerprint import _is_plain, canonical_bytes
 from idempo._http.fingerprint import (
     DEFAULT_FINGERPRINT_FIELDS,
     _canonical_body,
-    _maybe_not_plain,
+    _plain_json,
     canonical_pairs,
     canonical_parts,
 )
@@ -102,19 +102,24 @@ def encoded(text: str, rnd: random.Random) -> bytes:
 
 @bounded
 @given(value=values, rnd=st.randoms(use_true_random=False))
-def test_the_raw_body_check_never_passes_a_document_that_is_not_plain(
-    value: Any, rnd: random.Random
-) -> None:
-    """The shortcut's premise: a UTF-8 body the check finds nothing in parses to a document
-    the C encoder writes as RFC 8785 does (`_is_plain`)."""
-    body = render(value, rnd).encode("utf-8", "surrogatepass")
-    if _maybe_not_plain(body) is not None:
+def test_the_shortcut_takes_only_plain_documents(value: Any, rnd: random.Random) -> None:
+    """The shortcut's premise: a body it writes parses to a document the C encoder writes as
+    RFC 8785 does (`_is_plain`), and it writes the very bytes `canonical_bytes` does."""
+    body = encoded(render(value, rnd), rnd)
+    written = _plain_json(body)
+    if written is None:
         return
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return
+    parsed = json.loads(body)
     assert _is_plain(parsed), body
+    assert written == canonical_bytes(parsed)
+
+
+def test_the_shortcut_takes_the_usual_bodies() -> None:
+    """Not a shortcut that never runs: plain documents, escapes and BMP text included."""
+    for body in (b'{"name":"widget","qty":1}', b'[1,"\\u00e9",{"b":null,"a":true}]'):
+        assert _plain_json(body) == canonical_bytes(json.loads(body))
+    for body in (b"[1.5]", b"[NaN]", b"[9007199254740992]", '{"\U0001f600":1}'.encode()):
+        assert _plain_json(body) is None
 
 
 @bounded

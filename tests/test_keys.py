@@ -106,32 +106,3 @@ def test_step_key_refuses_bad_parts(saga: str, step: str) -> None:
     """A step with ':' or spaces, an empty step or an invalid saga id raises InvalidKeyError."""
     with pytest.raises(InvalidKeyError):
         step_key(saga, step)
-
-
-def _spelled_out(key: str) -> bool:
-    """The key rule as SPEC §4 states it, check by check."""
-    return 1 <= len(key) <= 255 and all(0x21 <= ord(char) <= 0x7E for char in key)
-
-
-@PROPERTY
-@given(
-    st.text(st.characters(min_codepoint=0x1F, max_codepoint=0x80), max_size=260)
-    | st.text(max_size=300)
-    | st.text(PRINTABLE, min_size=250, max_size=260)
-)
-def test_the_one_call_check_of_a_key_is_the_rule(key: str) -> None:
-    """`validate_key`'s one-call check for the usual key accepts exactly the valid ones, and
-    a str subclass goes through the same rule."""
-    from idempo._core.keys import _valid_key
-
-    assert (_valid_key(key) is not None) == _spelled_out(key)
-
-    class Key(str):
-        __slots__ = ()
-
-    for candidate in (key, Key(key)):
-        if _spelled_out(key):
-            assert validate_key(candidate) is candidate
-        else:
-            with pytest.raises(InvalidKeyError):
-                validate_key(candidate)

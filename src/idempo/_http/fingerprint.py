@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._core.fingerprint import canonical_bytes, plain_canonical_bytes
+from .._core.fingerprint import canonical_bytes, plain_canonical_text
 from ..errors import InvalidPayloadError
 from .keys import Header, header_values
 
@@ -78,33 +78,54 @@ def _canonical_body(body: bytes, content_type: bytes) -> bytes:
         return body
     if not _is_json(content_type):
         return canonical_pairs(body) if _is_form(content_type) else body
-    if body[:1] in _OPENERS and body[1:2] != b"\x00" and _maybe_not_plain(body) is None:
-        # UTF-8 (what json.loads reads such a body as), and nothing in it the C encoder
-        # writes otherwise than RFC 8785: no walk of the parsed document (`_is_plain`).
-        try:
-            text = body.decode()  # strict: a lone surrogate takes the walk below
-            value, end = _DECODER.raw_decode(text)
-            if end == len(text):
-                return plain_canonical_bytes(value)
-        except (ValueError, RecursionError):
-            pass  # the walk below decides what such a body fingerprints as
+    plain = _plain_json(body)
+    if plain is not None:
+        return plain
     try:
         return canonical_bytes(json_loads(body))
     except (ValueError, InvalidPayloadError, RecursionError):
         return body
 
 
-_OPENERS = (b"{", b"[")
-# What could make the C encoder's bytes of a parsed UTF-8 JSON text differ from RFC 8785's
-# (`idempo._core.fingerprint._is_plain`), looked for in the text itself: a float (a digit
-# before its fraction or exponent; Python's parser takes NaN and Infinity too), an integer
-# past 2**53 - 1 (16 digits or more), a character beyond the Basic Multilingual Plane (a
-# four-byte UTF-8 sequence, or an escaped high surrogate, which the parser pairs). A match
-# inside a string is harmless: that document takes the walk, which decides exactly.
-_maybe_not_plain = re.compile(
-    rb"[0-9][.eE]|[0-9]{16}|NaN|Infinity|\\u[dD][89abAB]|[\xf0-\xff]"
-).search
+def _plain_json(body: bytes) -> bytes | None:
+    """RFC 8785 bytes of a JSON body written by the C encoder alone, without a walk of the
+    parsed document (`_is_plain`); None when the body may need the walk.
 
+    It takes UTF-8 (what json.loads reads a body that starts so as) with no integer past
+    2**53 - 1; its parser refuses floats, NaN and infinities, and the text written is checked
+    for characters beyond the Basic Multilingual Plane (and, by encoding it, for lone
+    surrogates). What is left is a document the C encoder writes as RFC 8785 does.
+    """
+    if body[:1] not in _OPENERS or body[1:2] == b"\x00" or _big_integer(body) is not None:
+        return None
+    try:
+        text = body.decode()  # strict: a lone surrogate's bytes are left to the walk
+        value, end = _PLAIN_DECODER.raw_decode(text)
+        if end != len(text):
+            return None
+        canonical = plain_canonical_text(value)
+        if canonical.isascii() or _astral(canonical) is None:
+            return canonical.encode()  # an escaped lone surrogate raises here
+    except (_NotPlain, ValueError, RecursionError):
+        pass
+    return None
+
+
+class _NotPlain(Exception):
+    """A float, NaN or an infinity in a body: RFC 8785 writes numbers as ECMAScript does."""
+
+
+def _not_plain(text: str) -> Any:
+    raise _NotPlain(text)
+
+
+_OPENERS = (b"{", b"[")
+_PLAIN_DECODER = json.JSONDecoder(parse_float=_not_plain, parse_constant=_not_plain)
+# An integer past 2**53 - 1 has 16 digits or more (and has an exact form of its own). A run of
+# digits inside a string is harmless: that body takes the walk, which decides exactly.
+_big_integer = re.compile(rb"[0-9]{16}").search
+# Keys beyond the Basic Multilingual Plane sort otherwise in UTF-16, as RFC 8785 sorts them.
+_astral = re.compile("[\U00010000-\U0010ffff]").search
 
 _DECODER = json.JSONDecoder()
 

@@ -29,15 +29,6 @@ def headers_named(headers: Iterable[Header], names: Collection[bytes]) -> dict[b
     >>> headers_named([(b"Content-Length", b"2"), (b"host", b"x")], {b"content-length"})
     {b'content-length': [b'2']}
     """
-    if type(headers) is list:
-        try:
-            # In C for the usual request: each name sent once, in lower case (as ASGI servers
-            # send them). Anything else takes the pass below.
-            last = dict(headers)
-            if len(last) == len(headers) and b"".join(last).islower():
-                return {name: [last[name]] for name in last.keys() & names}
-        except (TypeError, ValueError):
-            pass  # not pairs of bytes: the pass below says what is wrong
     found: dict[bytes, list[bytes]] = {}
     for name, value in headers:
         lowered = name.lower()
