@@ -547,6 +547,7 @@ class Settings:
     only: tuple[str, ...] = tuple(FACTORIES)
     server_only: bool = False
     server_calls: int = 3000
+    no_server: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -573,6 +574,11 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         action="store_true",
         help="only the Redis time per call (INFO commandstats), no calls/s",
     )
+    parser.add_argument(
+        "--no-server",
+        action="store_true",
+        help="skip the Redis time per call (it resets INFO commandstats: not on a shared server)",
+    )
     parser.add_argument("--scenario", choices=FACTORIES, help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -581,7 +587,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     if args.quick:
-        return Settings(
+        quick = Settings(
             args.url,
             args.seconds or 10.0,
             args.rounds or 2,
@@ -591,7 +597,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
             server_only=args.server_only,
             server_calls=300,
         )
-    return Settings(
+        quick.no_server = args.no_server
+        return quick
+    settings = Settings(
         args.url,
         args.seconds or 100.0,
         args.rounds or 5,
@@ -602,6 +610,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         only,
         args.server_only,
     )
+    settings.no_server = args.no_server
+    return settings
 
 
 # --------------------------------------------------------------------------- instructions
@@ -682,7 +692,9 @@ def run(settings: Settings) -> None:
         for scenario in scenarios:
             scenario.close()
     count_all_round_trips(results, settings.url, settings.count_calls, settings.warmup)
-    costs = measure_server(settings.url, tuple(results), settings.server_calls, settings.warmup)
+    costs = {}
+    if not settings.no_server:
+        costs = measure_server(settings.url, tuple(results), settings.server_calls, settings.warmup)
 
     print_table(results, cpu)
     print_ratios(results)
