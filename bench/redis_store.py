@@ -77,8 +77,9 @@ AMOUNT = 100
 LEASE_MS = 30_000
 TTL_MS = 24 * 3600 * 1000
 
-# One id per run keeps keys unique even if a previous run was killed before cleanup.
-RUN_ID = secrets.token_hex(4)
+# One id per run keeps keys unique even if a previous run was killed before cleanup. The
+# processes valgrind watches (--instructions) take their parent's, which deletes their keys.
+RUN_ID = os.environ.get("IDEMPO_BENCH_RUN_ID") or secrets.token_hex(4)
 PREFIX = f"idempo-bench-{RUN_ID}"
 _serial = itertools.count()
 
@@ -546,6 +547,7 @@ class Settings:
     only: tuple[str, ...] = tuple(FACTORIES)
     server_only: bool = False
     server_calls: int = 3000
+    no_server: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -572,6 +574,11 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         action="store_true",
         help="only the Redis time per call (INFO commandstats), no calls/s",
     )
+    parser.add_argument(
+        "--no-server",
+        action="store_true",
+        help="skip the Redis time per call (it resets INFO commandstats: not on a shared server)",
+    )
     parser.add_argument("--scenario", choices=FACTORIES, help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -580,7 +587,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     if args.quick:
-        return Settings(
+        quick = Settings(
             args.url,
             args.seconds or 10.0,
             args.rounds or 2,
@@ -590,7 +597,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
             server_only=args.server_only,
             server_calls=300,
         )
-    return Settings(
+        quick.no_server = args.no_server
+        return quick
+    settings = Settings(
         args.url,
         args.seconds or 100.0,
         args.rounds or 5,
@@ -601,6 +610,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         only,
         args.server_only,
     )
+    settings.no_server = args.no_server
+    return settings
 
 
 # --------------------------------------------------------------------------- instructions
@@ -618,15 +629,17 @@ def run_one(settings: Settings) -> None:
         for _ in range(settings.count_calls):
             scenario.op()
     finally:
+        # The parent deletes the keys: a cleanup here would SCAN the whole keyspace, whose
+        # cost grows with whatever else the server holds, inside the count.
         scenario.close()
-        cleanup(settings.url)
 
 
 def instructions(name: str, url: str, calls: int) -> int:
     """Instructions the whole client process (every thread) executed, under callgrind."""
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     command += [sys.executable, __file__, "--url", url, "--scenario", name, "--calls", str(calls)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    env = {**os.environ, "IDEMPO_BENCH_RUN_ID": RUN_ID}
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     found = re.search(r"Collected : (\d+)", done.stderr)
     if found is None:
         raise RuntimeError(f"no instruction count from valgrind for {name}: {done.stderr[-500:]}")
@@ -679,7 +692,9 @@ def run(settings: Settings) -> None:
         for scenario in scenarios:
             scenario.close()
     count_all_round_trips(results, settings.url, settings.count_calls, settings.warmup)
-    costs = measure_server(settings.url, tuple(results), settings.server_calls, settings.warmup)
+    costs = {}
+    if not settings.no_server:
+        costs = measure_server(settings.url, tuple(results), settings.server_calls, settings.warmup)
 
     print_table(results, cpu)
     print_ratios(results)
@@ -693,11 +708,11 @@ def main(argv: list[str] | None = None) -> None:
     if settings.scenario is not None:
         run_one(settings)
         return
-    if settings.instructions:
-        print_instructions(settings.url, settings.only)
-        return
     try:
-        run(settings)
+        if settings.instructions:
+            print_instructions(settings.url, settings.only)
+        else:
+            run(settings)
     finally:
         print(f"\ncleanup: deleted {cleanup(settings.url)} keys under {PREFIX}")
 

@@ -394,6 +394,31 @@ async def test_non_json_payload_is_refused(make_guard: GuardFactory) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_policy_replaced_after_decorating_decides_the_next_calls(
+    make_guard: GuardFactory,
+) -> None:
+    """A decorated function's codec is made once per policy, not once for ever: a guard whose
+    policy is replaced (here: which errors are recorded) decides with the new one."""
+    guard = make_guard()
+    calls = Calls()
+
+    @guard.idempotent(key="order_id", operation=OPERATION)
+    def charge(order_id: str) -> str:
+        calls.args.append(order_id)
+        raise CardDeclinedError("insufficient funds")
+
+    with pytest.raises(CardDeclinedError):
+        await charge("o-1")
+    assert await guard.get("o-1") is None  # not fail_on: released
+    guard.idem.policy = guard.idem.policy.replace(fail_on=(CardDeclinedError,))
+    with pytest.raises(CardDeclinedError):
+        await charge("o-1")
+    with pytest.raises(ReplayedFailureError):
+        await charge("o-1")
+    assert len(calls) == 2
+
+
+@pytest.mark.anyio
 async def test_exception_releases_the_key_and_a_retry_executes(make_guard: GuardFactory) -> None:
     """An exception propagates unchanged, leaves no record, and the retry runs again."""
     guard = make_guard(fail_on=(CardDeclinedError,))

@@ -277,3 +277,29 @@ def test_stats_counts_states_and_skips_tombstones_and_what_is_not_a_record() -> 
         [b"c", b"i", b"x", b"z", Exception("WRONGTYPE")],
     )
     assert counts == {"completed": 1, "in_progress": 1}
+
+
+@pytest.mark.parametrize(
+    "micros", [0, 1, -1, 999_999, 1_767_323_045_123_456, 2**53 - 1, -(2**40) - 7]
+)
+def test_record_times_decode_exactly(micros: int) -> None:
+    """A stored time comes back to the microsecond (decoded by multiplying a timedelta, not
+    by building one from keyword arguments)."""
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    assert _protocol._time(micros) == epoch + timedelta(microseconds=micros)
+    assert _protocol.us(_protocol._time(micros)) == micros
+
+
+def test_names_are_cached_by_the_scopes_strings() -> None:
+    """Equal scopes name one key, distinct ones distinct keys, and a reservation's value
+    carries its own scope's strings: the cache is keyed by the strings themselves."""
+    keys = fresh_keys()
+    one, same = Scope("a", "op", "k"), Scope("a", "op", "k")
+    others = [Scope("", "aop", "k"), Scope("a", "o", "pk"), Scope("a", "op", "K")]
+    assert keys.key(one) == keys.key(same)
+    assert len({keys.key(s) for s in [one, *others]}) == 4
+    for scope in [one, *others]:
+        names = _protocol.named(keys.prefix, scope)
+        value, _ = keys.fresh(names, FP, 1, b"\0" * 8, None, LEASE, timedelta(hours=1))
+        assert _protocol.decode(value, None, 10**12).record.scope == scope  # type: ignore[union-attr]
+    assert _protocol.named("other", one)[0] != keys.key(one)

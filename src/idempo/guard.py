@@ -798,6 +798,7 @@ class _Decorated:
         self.conn = conn
         self.serializer = serializer or return_serializer(fn)
         self.renew_every = renew_every
+        self._codec: tuple[Policy, FunctionCodec] | None = None
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Each parameter's argument, defaults applied, in the signature's order: what
@@ -829,11 +830,24 @@ class _Decorated:
         bound.apply_defaults()
         return bound.arguments
 
-    def resolve(self, args: Any, kwargs: Any) -> dict[str, Any]:
+    def codec(self, policy: Policy) -> FunctionCodec:
+        """The calls' codec under ``policy``: made once per policy, as it holds nothing of a
+        call's (a guard's policy may be replaced after decorating)."""
+        made = self._codec
+        if made is None or made[0] is not policy:
+            made = self._codec = (
+                policy,
+                FunctionCodec(self.serializer or policy.serializer, policy.fail_on),
+            )
+        return made[1]
+
+    def resolve(self, args: Any, kwargs: Any, policy: Policy) -> dict[str, Any]:
         named = self.arguments(args, kwargs)
         key = named[self.key] if isinstance(self.key, str) else self.key(*args, **kwargs)
         if self.payload is not None:
             payload = self.payload(*args, **kwargs)
+        elif self.conn is None:
+            payload = named  # a dict of the call's own: every argument
         else:
             payload = {name: value for name, value in named.items() if name != self.conn}
         principal = (
@@ -845,7 +859,7 @@ class _Decorated:
             "payload": payload,
             "principal": principal,
             "conn": named[self.conn] if self.conn else None,
-            "serializer": self.serializer,
+            "codec": self.codec(policy),
             "renew_every": self.renew_every,
         }
 
@@ -1172,7 +1186,7 @@ class Idempotency(_Guard[_Once[Any], Handle[Any]]):
 
     def _wrap(self, func: Callable[P, R], spec: _Decorated, mode: Mode) -> Callable[P, R]:
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
+            with self.once(**spec.resolve(args, kwargs, self.policy), mode=mode) as attempt:
                 if not attempt.replayed:
                     attempt.result = func(*args, **kwargs)
             result: R = attempt.result
@@ -1228,7 +1242,7 @@ class AsyncIdempotency(_Guard[_AsyncOnce[Any], Coroutine[Any, Any, AsyncHandle[A
         self, func: Callable[P, Awaitable[R]], spec: _Decorated, mode: Mode
     ) -> Callable[P, Coroutine[Any, Any, R]]:
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with self.once(**spec.resolve(args, kwargs), mode=mode) as attempt:
+            async with self.once(**spec.resolve(args, kwargs, self.policy), mode=mode) as attempt:
                 if not attempt.replayed:
                     attempt.result = await func(*args, **kwargs)
             result: R = attempt.result

@@ -45,22 +45,23 @@ _SET_GET = {"get": True}
 class Run:
     """Run the Lua script named ``script`` on the records at ``keys`` with ``args``.
 
-    ``scope`` names the record in errors; ``undo`` is what undoes the call for a caller that
-    never heard its reply.
+    ``scope`` names the record in errors; ``reserves``: the key and nonce of the reservation
+    the call may make, which `undo` releases for a caller that never heard its reply.
     """
 
     script: str
     keys: list[str]
     args: list[str | bytes | int]
     scope: Scope | None = None
-    undo: Run | None = None
+    reserves: tuple[str, bytes] | None = None
 
 
 @dataclass(slots=True)
 class Command:
     """A plain command of the client: ``client.<name>(*args, **options)``.
 
-    ``errors``: a WRONGTYPE error (a key of another type) is the reply instead of raised.
+    ``errors``: a WRONGTYPE error (a key of another type) is the reply instead of raised;
+    ``reserves``: as `Run`'s.
     """
 
     name: str
@@ -68,7 +69,7 @@ class Command:
     options: dict[str, Any] = field(default_factory=dict)
     scope: Scope | None = None
     errors: bool = False
-    undo: Run | None = None
+    reserves: tuple[str, bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -111,20 +112,24 @@ def reserve(
     ttl: timedelta,
 ) -> Generator[Call, Any, Reservation]:
     clock = keys.clock
-    if clock.stale():
+    token = clock.token()
+    if token is None:  # the estimate of Redis's clock is stale
         sent = clock.ticks()
         reply = yield Command("time", ())
         clock.anchor(reply, sent, clock.ticks())
-    token = clock.token()
+        token = clock.token()
+        assert token is not None
     nonce = _protocol.new_nonce()
-    key = keys.key(scope)
-    value, px = keys.fresh(scope, fingerprint, token, nonce, now, lease, ttl)
-    undo = Run(RELEASE, [key], _protocol.undo_args(nonce), scope)
+    names = _protocol.named(keys.prefix, scope)
+    key = names[0]
+    value, px = keys.fresh(names, fingerprint, token, nonce, now, lease, ttl)
+    # Built only if it is needed (`undo`): most reservations hear their reply.
+    reserves = (key, nonce)
     # The command itself, not redis-py's set(): its argument checks cost the hot path more
     # than the rest of a replay's client side. get=True: redis-py's SET reply callback then
     # hands back the value found.
     command = ("SET", key, value, "NX", "GET", "PX", px)
-    existing = yield Command("execute_command", command, _SET_GET, scope, errors=True, undo=undo)
+    existing = yield Command("execute_command", command, _SET_GET, scope, True, reserves)
     if existing is None:
         if now is not None:
             yield _expiring(keys, scope, _due(now, lease + ttl), px)
@@ -134,7 +139,7 @@ def reserve(
         if verdict is not None:
             return verdict
     args = keys.reserve_args(scope, fingerprint, nonce, now, lease, ttl)
-    reply = yield Run(RESERVE, [key], args, scope, undo=undo)
+    reply = yield Run(RESERVE, [key], args, scope, reserves)
     verdict = _protocol.reservation(reply, scope, fingerprint, now)
     if now is not None and isinstance(verdict, Acquired):
         yield _expiring(keys, scope, _due(now, lease + ttl), px)
@@ -168,7 +173,11 @@ def undo(call: Call) -> Run | None:
     (cancelled, or the connection failed): a reservation, released by its nonce; None for a
     call that leaves nothing to undo (a settle or a renewal is fenced, a release repeatable).
     """
-    return call.undo if isinstance(call, Run | Command) else None
+    reserves = call.reserves if isinstance(call, Run | Command) else None
+    if reserves is None:
+        return None
+    key, nonce = reserves
+    return Run(RELEASE, [key], _protocol.undo_args(nonce), call.scope)
 
 
 def settle(
