@@ -10,10 +10,7 @@ explicit, so which records are expired is fixed; only the interleaving is left t
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
 
 import pymysql
 import pytest
@@ -23,7 +20,7 @@ from idempo import Status
 from idempo._core.record import Acquired
 from idempo.stores._sql.mysql import scope_hash
 from idempo.stores.mysql import MySQLStore, connect_options
-from test_purge_races import LONG, SHORT, T0, T1, _take_over, lost_records, scope, seed_expired
+from test_purge_races import LONG, SHORT, T0, T1, lost_records, race, scope, seed_expired
 
 pytestmark = pytest.mark.mysql
 
@@ -115,15 +112,25 @@ def test_a_routine_purge_takes_the_oldest_expiry_first(mysql_database: Database)
         store.close()
 
 
-def test_a_key_order_purge_skips_a_held_takeover_without_waiting(
-    mysql_database: Database,
+@pytest.mark.anyio
+@pytest.mark.parametrize("face", ["sync", "async"])
+async def test_a_key_order_purge_skips_a_held_takeover_without_waiting(
+    mysql_database: Database, anyio_backend: str, face: str
 ) -> None:
     """A transactional takeover holds the row lock of one expired record on the app's own
-    connection: purges in key order on the store's connections go past it without waiting
-    (the batch that meets it is picked again skipping it), delete every other expired
-    record, and the record the takeover then commits is stored."""
+    connection: purges in key order on the store's connections (sync, or async on aiomysql)
+    go past it without waiting (the batch that meets it is picked again skipping it),
+    delete every other expired record, and the record the takeover then commits is
+    stored."""
     store = mysql_database.store(pool_size=4)
+    purger = mysql_database.async_store() if face == "async" else None
     conn = mysql_database.connect(store)
+
+    async def purge() -> int:
+        if purger is None:
+            return int(store.purge(before=T1, limit=3))
+        return int(await purger.purge(before=T1, limit=3))
+
     try:
         keys = [f"k-{i}" for i in range(12)]
         seed_expired(store, keys)
@@ -134,7 +141,7 @@ def test_a_key_order_purge_skips_a_held_takeover_without_waiting(
         assert isinstance(taken, Acquired), taken
 
         purged = 0
-        while (deleted := store.purge(before=T1, limit=3)) > 0:
+        while (deleted := await purge()) > 0:
             purged += deleted
             if deleted < 3:
                 break
@@ -151,15 +158,9 @@ def test_a_key_order_purge_skips_a_held_takeover_without_waiting(
         assert present(store, keys) == [held]
     finally:
         conn.close()
+        if purger is not None:
+            await purger.aclose()
         store.close()
-
-
-def _purge_in_batches(store: Any, limit: int, started: threading.Event, stop: Any) -> int:
-    assert started.wait(10)
-    purged = 0
-    while not stop.is_set():
-        purged += store.purge(before=T1, limit=limit)
-    return purged
 
 
 @pytest.mark.slow
@@ -173,18 +174,7 @@ def test_key_order_purges_never_delete_takeovers_racing_them(mysql_database: Dat
             keys = [f"r{round_}-{i}" for i in range(400)]
             seed_expired(store, keys)
             analyze(mysql_database)
-            started, stop = threading.Event(), threading.Event()
-            chunks = [keys[w::4] for w in range(4)]
-            with ThreadPoolExecutor(6) as pool:
-                purgers = [
-                    pool.submit(_purge_in_batches, store, limit, started, stop) for limit in (7, 25)
-                ]
-                try:
-                    workers = [pool.submit(_take_over, store, chunk, started) for chunk in chunks]
-                    held = [h for w in workers for h in w.result(60)]
-                finally:
-                    stop.set()
-                purged = sum(p.result(60) for p in purgers)
+            held, purged = race(store, keys, [7, 25])
             lost = lost_records(store, held)
             assert lost == [], f"round {round_}: purge deleted {len(lost)} live records: {lost[:5]}"
             assert purged <= len(keys)
