@@ -57,7 +57,8 @@ from idempo.stores.postgres import PostgresStore
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 MARIADB_URL = "mysql://root@127.0.0.1:3306/test"
-SPACE = "idempo_growth"
+# The schema or database of the run: another name keeps runs of two people on one server apart.
+SPACE = os.environ.get("IDEMPO_BENCH_SPACE", "idempo_growth")
 OPERATION = "pay"
 PRINCIPAL = "bench"
 PAYLOAD = {"amount": 100}

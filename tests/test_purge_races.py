@@ -239,15 +239,36 @@ def lost_records(
     return lost
 
 
-def _purge_until(store: Any, started: threading.Event, stop: threading.Event) -> int:
+def _purge_until(
+    store: Any, started: threading.Event, stop: threading.Event, limit: int = KEYS_PER_ROUND
+) -> int:
     # The first purge starts while the takeovers run, so they rewrite rows it picked.
     assert started.wait(10)
     purged = 0
     while not stop.is_set():
         # One batch may hold every expired record: deleting them takes long enough for
         # the takeovers, which start from the other end, to rewrite rows it picked.
-        purged += store.purge(before=T1, limit=KEYS_PER_ROUND)
+        purged += store.purge(before=T1, limit=limit)
     return purged
+
+
+def race(
+    store: Any, keys: list[str], limits: list[int]
+) -> tuple[list[tuple[str, int, bool | None]], int]:
+    """Leased takeovers of ``keys`` in WORKERS threads against a purger per batch size in
+    ``limits``, all on the store's own connections: what the takeovers hold (see
+    `_take_over`) and how many records the purges deleted."""
+    started, stop = threading.Event(), threading.Event()
+    chunks = [keys[w::WORKERS] for w in range(WORKERS)]
+    with ThreadPoolExecutor(WORKERS + len(limits)) as pool:
+        purgers = [pool.submit(_purge_until, store, started, stop, limit) for limit in limits]
+        try:
+            workers = [pool.submit(_take_over, store, chunk, started) for chunk in chunks]
+            held = [h for w in workers for h in w.result(60)]
+        finally:
+            stop.set()
+        purged = sum(p.result(60) for p in purgers)
+    return held, purged
 
 
 @pytest.mark.slow
@@ -259,17 +280,7 @@ def test_purge_never_deletes_live_reservations_or_fresh_completions(store: Any) 
         keys = [f"r{round_}-{i}" for i in range(KEYS_PER_ROUND)]
         for key in keys:  # abandoned reservations, past lease and retention at T1
             store.reserve(scope(key), "fp-old", now=T0, lease=SHORT, ttl=SHORT)
-        started, stop = threading.Event(), threading.Event()
-        chunks = [keys[w::WORKERS] for w in range(WORKERS)]
-        with ThreadPoolExecutor(WORKERS + PURGERS) as pool:
-            purgers = [pool.submit(_purge_until, store, started, stop) for _ in range(PURGERS)]
-            try:
-                workers = [pool.submit(_take_over, store, chunk, started) for chunk in chunks]
-                held = [h for w in workers for h in w.result(60)]
-            finally:
-                stop.set()
-            purged = sum(p.result(60) for p in purgers)
-
+        held, purged = race(store, keys, [KEYS_PER_ROUND] * PURGERS)
         lost = lost_records(store, held)
         assert lost == [], f"round {round_}: purge deleted {len(lost)} live records: {lost[:5]}"
         assert purged <= KEYS_PER_ROUND
