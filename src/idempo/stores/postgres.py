@@ -716,6 +716,25 @@ def _logic(dialect: PostgresDialect, mode: Mode, lock_timeout: timedelta | None)
     return unit_logic(dialect, mode, timeout)
 
 
+class _Woken(SyncUnit):
+    """The unit of a guarded call on the app's connection, whose duplicate told to wait
+    waits as the store's own do (``wait_settled``, on one of the store's connections): the
+    app's connection cannot listen inside the app's transaction, notifications arriving
+    only between transactions. The reservation that follows still runs on the app's."""
+
+    def __init__(self, logic: UnitLogic, run: Any, wait_settled: Any) -> None:
+        super().__init__(logic, run)
+        self.wait_settled = wait_settled
+
+
+class _AsyncWoken(AsyncUnit):
+    """The asynchronous face of `_Woken`."""
+
+    def __init__(self, logic: UnitLogic, run: Any, wait_settled: Any) -> None:
+        super().__init__(logic, run)
+        self.wait_settled = wait_settled
+
+
 class PostgresStore(SqlStore):
     """A PostgreSQL store. Safe to share between threads; each verb borrows a pooled connection.
 
@@ -831,13 +850,20 @@ class PostgresStore(SqlStore):
             watchdog = self._watchdog
             watchdog.watch(conn, allowance=watch.left())  # the lock waits for a settle's commit
             conn.execute(watch.listen)
-            conn.execute(watch.lock())
-            if conn.execute(_pyformat(watch.check), watch.params).fetchone():
-                watchdog.done(conn)  # no answer is awaited: silence is no failure here
-                for _ in conn.notifies(timeout=watch.left(), stop_after=1):
-                    pass
-                watchdog.watch(conn)
-            conn.execute(watch.unwatch)
+            try:
+                conn.execute(watch.lock())
+            except pg_errors.LockNotAvailable:
+                # A settle holds the mark past the wait's end: the reservation meets it.
+                conn.execute(watch.abandon)
+            else:
+                read = conn.execute(_pyformat(watch.check), watch.params)
+                patience = watch.patience(read.fetchone())
+                if patience > 0:
+                    watchdog.done(conn)  # no answer is awaited: silence is no failure here
+                    for _ in conn.notifies(timeout=patience, stop_after=1):
+                        pass
+                    watchdog.watch(conn)
+                conn.execute(watch.unwatch)
             for _ in conn.notifies(timeout=0):  # what came before UNLISTEN took effect
                 pass
 
@@ -848,14 +874,14 @@ class PostgresStore(SqlStore):
         logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.Connection):
             tx = _PsycopgTx(conn, self.run, one_trip=self.one_trip_replays)
-            return SyncUnit(logic, partial(execute, tx))
+            return _Woken(logic, partial(execute, tx), self.wait_settled)
         conn = sqlalchemy_connection(
             conn, asynchronous=False, store="PostgresStore", driver="a psycopg.Connection"
         )
         from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = SqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
-        return SyncUnit(logic, executor.run)
+        return _Woken(logic, executor.run, self.wait_settled)
 
     def close(self) -> None:
         self._watchdog.close()
@@ -961,13 +987,19 @@ class AsyncPostgresStore(AsyncSqlStore):
                     watchdog = self._watchdog
                     watchdog.watch(conn, allowance=watch.left())
                     await conn.execute(watch.listen)
-                    await conn.execute(watch.lock())
-                    if await (await conn.execute(_pyformat(watch.check), watch.params)).fetchone():
-                        watchdog.done(conn)
-                        async for _ in conn.notifies(timeout=watch.left(), stop_after=1):
-                            pass
-                        watchdog.watch(conn)
-                    await conn.execute(watch.unwatch)
+                    try:
+                        await conn.execute(watch.lock())
+                    except pg_errors.LockNotAvailable:
+                        await conn.execute(watch.abandon)
+                    else:
+                        read = await conn.execute(_pyformat(watch.check), watch.params)
+                        patience = watch.patience(await read.fetchone())
+                        if patience > 0:
+                            watchdog.done(conn)
+                            async for _ in conn.notifies(timeout=patience, stop_after=1):
+                                pass
+                            watchdog.watch(conn)
+                        await conn.execute(watch.unwatch)
                     async for _ in conn.notifies(timeout=0):
                         pass
 
@@ -978,7 +1010,7 @@ class AsyncPostgresStore(AsyncSqlStore):
         logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.AsyncConnection):
             tx = _AsyncPsycopgTx(conn, self.run, one_trip=self.one_trip_replays)
-            return AsyncUnit(logic, partial(aexecute, tx))
+            return _AsyncWoken(logic, partial(aexecute, tx), self.wait_settled)
         conn = sqlalchemy_connection(
             conn,
             asynchronous=True,
@@ -988,7 +1020,7 @@ class AsyncPostgresStore(AsyncSqlStore):
         from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = AsyncSqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
-        return AsyncUnit(logic, executor.run)
+        return _AsyncWoken(logic, executor.run, self.wait_settled)
 
     async def aclose(self) -> None:
         self._watchdog.close()
