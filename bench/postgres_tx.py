@@ -20,7 +20,13 @@ ops/s, so one noisy moment on a shared machine does not decide a ratio. Round tr
 counted in a separate phase through a loopback proxy (bench/_roundtrips.py): the proxy adds
 latency of its own and must never touch the timed numbers.
 
+``--instructions`` counts instead the CPU instructions one call costs the client process
+(Python, psycopg, libpq; not the server), under valgrind (callgrind), from two runs of 100 and
+400 calls differenced, so start-up and warm-up cancel out: a measure that load on a shared
+machine does not move.
+
 Usage: python bench/postgres_tx.py [--seconds N] [--quick] [--rounds R] [--dsn URL]
+       python bench/postgres_tx.py --instructions [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import asyncio
 import itertools
 import secrets
+import shutil
 import statistics
 import sys
 import time
@@ -41,6 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg.types.json import Jsonb
 
+from _measure import callgrind_count
 from _report import report
 from _roundtrips import RoundTripProxy
 
@@ -514,6 +522,10 @@ class Settings:
     rounds: int
     count_ops: int
     warmup: int
+    instructions: bool = False
+    only: tuple[str, ...] = ()
+    scenario: str | None = None  # the one scenario a callgrind child runs
+    calls: int = 0
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -524,10 +536,70 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     )
     parser.add_argument("--rounds", type=int, help="interleaved rounds per scenario")
     parser.add_argument("--quick", action="store_true", help="short smoke run (~20 s)")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="instead: client CPU instructions per call of each scenario, under valgrind",
+    )
+    parser.add_argument("--only", nargs="+", choices=FACTORIES, default=INSTRUCTION_SCENARIOS)
+    parser.add_argument("--scenario", choices=FACTORIES, help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    modes = {"instructions": args.instructions, "only": tuple(args.only)}
+    modes |= {"scenario": args.scenario, "calls": args.calls}
     if args.quick:
-        return Settings(args.dsn, args.seconds or 15.0, args.rounds or 3, 20, 10)
-    return Settings(args.dsn, args.seconds or 90.0, args.rounds or 5, 50, 20)
+        return Settings(args.dsn, args.seconds or 15.0, args.rounds or 3, 20, 10, **modes)
+    return Settings(args.dsn, args.seconds or 90.0, args.rounds or 5, 50, 20, **modes)
+
+
+# --------------------------------------------------------------------------- instructions
+
+# Calls in the two runs whose difference is measured: start-up and warm-up cancel out.
+INSTRUCTION_CALLS = (100, 400)
+INSTRUCTION_SCENARIOS = [
+    "bare",
+    "bare_select",
+    "idempo",
+    "idempo_replay",
+    "idempo_store",
+    "idempo_store_replay",
+]
+INSTRUCTION_RATIOS = [
+    ("idempo", "bare"),
+    ("idempo_replay", "bare_select"),
+    ("idempo_store_replay", "bare_select"),
+]
+
+
+def run_one(settings: Settings) -> None:
+    """The process valgrind watches: build one scenario, warm it up, make the calls."""
+    assert settings.scenario is not None
+    scenario = FACTORIES[settings.scenario][1](settings.dsn)
+    try:
+        warm_up(scenario, 50)
+        for _ in range(settings.calls):
+            scenario.op()
+    finally:
+        scenario.close()
+
+
+def print_instructions(settings: Settings) -> None:
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind")
+    low, high = INSTRUCTION_CALLS
+    print(f"client instructions per call (callgrind; runs of {low} and {high} calls, differenced)")
+    counts: dict[str, float] = {}
+    for name in settings.only:
+        runs = []
+        for calls in (low, high):
+            args = ["--dsn", settings.dsn, "--scenario", name, "--calls", str(calls)]
+            runs.append(callgrind_count(valgrind, __file__, args))
+        counts[name] = (runs[1] - runs[0]) / (high - low)
+        print(f"  {name:<22}{counts[name] / 1000:>9.0f} k")
+    for top, bottom in INSTRUCTION_RATIOS:
+        if top in counts and bottom in counts:
+            print(f"  {top} / {bottom}: {counts[top] / counts[bottom]:.2f}x the instructions")
 
 
 def build_available(dsn: str, notes: list[str]) -> list[Scenario]:
@@ -575,9 +647,15 @@ def run(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
+    if settings.scenario is not None:
+        run_one(settings)  # the schema is the parent's
+        return
     create_schema(settings.dsn)
     try:
-        run(settings)
+        if settings.instructions:
+            print_instructions(settings)
+        else:
+            run(settings)
     finally:
         drop_schema(settings.dsn)
 

@@ -1,6 +1,9 @@
 """How long a duplicate told to wait (``Policy.wait``) takes to replay once the first attempt
 completes: woken by the store (``wait_settled``) against polling every 50 ms, measured in the
-same run, on the memory store and on PostgreSQL (LISTEN/NOTIFY; a scratch schema).
+same run, on the memory store and on PostgreSQL (LISTEN/NOTIFY; a scratch schema), where the
+duplicate also runs in transactional mode on a connection of the app's (``conn=``): against a
+first attempt in leased mode (a committed record in progress), and against a transactional
+one held past the duplicate's lock timeout (its row-lock wait ends, and it waits on).
 
     .venv/bin/python bench/wake_latency.py [--rounds 40] [--dsn URL] [--no-postgres]
 
@@ -19,6 +22,8 @@ import time
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any
+
+import psycopg
 
 from _measure import scratch_postgres_store
 from _report import report
@@ -42,22 +47,41 @@ class PollingPostgresStore(PostgresStore):
     wait_settled = None  # type: ignore[assignment]
 
 
-def one_round(store: Any, key: str) -> float:
-    idem = Idempotency(store, Policy(wait=timedelta(seconds=10)))
+class Face:
+    """How a round's two attempts reach ``store``: on the store's own connections, or, where
+    given, on a connection of the app's (``conn=``, transactional mode)."""
+
+    def __init__(self, store: Any, *, first: Any = None, duplicate: Any = None) -> None:
+        self.store = store
+        self.first = first
+        self.duplicate = duplicate
+        # A transactional first attempt holds its row lock past the duplicate's lock timeout
+        # (50 ms, from 50 to 250 ms): the duplicate's row-lock wait ends at least once, and
+        # the first completes during a row-lock wait or during what follows it.
+        self.lock_timeout = timedelta(seconds=5 if first is None else 0.05)
+        self.hold = (0.02, 0.05) if first is None else (0.05, 0.2)
+
+
+def one_round(face: Any, key: str) -> float:
+    if not isinstance(face, Face):
+        face = Face(face)
+    policy = Policy(wait=timedelta(seconds=10), lock_timeout=face.lock_timeout)
+    idem = Idempotency(face.store, policy)
     replayed_at: list[float] = []
     waiting = threading.Event()
 
     def duplicate() -> None:
         waiting.set()
-        with idem.once(key, operation="bench") as attempt:
+        with idem.once(key, operation="bench", conn=face.duplicate) as attempt:
             assert attempt.replayed
             replayed_at.append(time.perf_counter())
 
-    with idem.once(key, operation="bench") as first:
+    with idem.once(key, operation="bench", conn=face.first) as first:
         thread = threading.Thread(target=duplicate)
         thread.start()
         waiting.wait()
-        time.sleep(0.02 + random.random() * 0.05)  # the duplicate is waiting by now
+        least, spread = face.hold
+        time.sleep(least + random.random() * spread)  # the duplicate is waiting by now
         first.result = "done"
     completed_at = time.perf_counter()  # the block's exit completed the record
     thread.join()
@@ -73,10 +97,16 @@ def main() -> None:
     with ExitStack() as stack:
         families = {"memory store": {"woken": MemoryStore(), "polling": PollingStore()}}
         if not args.no_postgres:
-            families["PostgreSQL"] = {
-                "woken": scratch_postgres_store(stack, args.dsn),
-                "polling": scratch_postgres_store(stack, args.dsn, PollingPostgresStore),
-            }
+            woken = scratch_postgres_store(stack, args.dsn)
+            polling = scratch_postgres_store(stack, args.dsn, PollingPostgresStore)
+            families["PostgreSQL"] = {"woken": woken, "polling": polling}
+            conns = [stack.enter_context(psycopg.connect(args.dsn)) for _ in range(4)]
+            for name, first in [("a leased first", False), ("a transactional first", True)]:
+                app = conns[:2] if first else [None, None]
+                families[f"PostgreSQL, conn= duplicate, {name}"] = {
+                    "woken": Face(woken, first=app[0], duplicate=conns[2]),
+                    "polling": Face(polling, first=app[1], duplicate=conns[3]),
+                }
         for family, faces in families.items():
             measure(family, faces, args.rounds)
 
@@ -85,7 +115,7 @@ def measure(family: str, faces: dict[str, Any], rounds: int) -> None:
     samples: dict[str, list[float]] = {name: [] for name in faces}
     for n in range(rounds):
         for name in random.sample(list(faces), len(faces)):  # interleaved, in a random order
-            samples[name].append(one_round(faces[name], f"{name}-{n}"))
+            samples[name].append(one_round(faces[name], f"{family.replace(' ', '_')}-{name}-{n}"))
     print(f"settle -> replay of a waiting duplicate, {family}, {rounds} rounds each")
     for name, values in samples.items():
         values.sort()

@@ -417,3 +417,43 @@ def test_duplicates_on_their_own_connections_run_the_work_once(
     with psycopg.connect(postgres_url) as check:
         row = check.execute(f"SELECT count(*) FROM {business}").fetchone()
     assert row == (rounds,)
+
+
+@pytest.mark.postgres
+def test_record_times_come_back_in_utc_whatever_the_sessions_time_zone(
+    postgres_url: str, pg_schema: str
+) -> None:
+    """The record decode converts with a builtin (`PostgresDialect.py_time`): a session in
+    another time zone still gives UTC times, the same instants."""
+    from idempo._core.keys import Scope
+    from idempo.stores.postgres import PostgresStore
+
+    sep = "&" if "?" in postgres_url else "?"
+    url = f"{postgres_url}{sep}options=-c%20TimeZone%3DAsia/Kathmandu"
+    store = PostgresStore(url, table=f"{pg_schema}.idempo_records")
+    try:
+        store.migrate()
+        scope = Scope("", "charge", "k-1")
+        store.reserve(scope, "fp", now=None, lease=timedelta(minutes=1), ttl=timedelta(hours=1))
+        record = store.get(scope)
+        assert record is not None
+        with store._pool.connection() as conn:
+            row = conn.execute("SELECT created_at FROM " + store.dialect.table).fetchone()
+        assert row is not None
+        assert row[0].utcoffset() == timedelta(hours=5, minutes=45)  # the session's zone
+        for at in (record.created_at, record.updated_at, record.expires_at):
+            assert at.tzinfo is UTC
+        assert record.created_at == row[0]
+    finally:
+        store.close()
+
+
+def test_statements_go_as_bytes_made_once_unless_they_are_not_ascii() -> None:
+    from idempo.stores.postgres import _pyformat
+
+    sql = "SELECT 1 FROM t WHERE k = :key"
+    assert _pyformat(sql) == b"SELECT 1 FROM t WHERE k = %(key)s"
+    assert _pyformat(sql) is _pyformat(sql)  # the same bytes: psycopg's hash is cached
+    assert _pyformat("SELECT 1 FROM caf\u00e9 WHERE k = :key") == (
+        "SELECT 1 FROM caf\u00e9 WHERE k = %(key)s"
+    )

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -152,15 +152,27 @@ def until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.001)
 
 
-def first_and_waiter(store: Any, counted: Counting, *, settle: str) -> tuple[Any, int]:
+def first_and_waiter(
+    store: Any,
+    counted: Any,
+    *,
+    settle: str,
+    first_conn: Any = None,
+    duplicate_conn: Any = None,
+    lock_timeout: timedelta = timedelta(seconds=5),
+) -> tuple[Any, int]:
     """A first attempt holds the key for `HOLD` s (then completes, fails or releases) while
-    a duplicate waits; returns what the duplicate got and the reservations it made."""
-    idem = Idempotency(store, Policy(wait=timedelta(seconds=DEADLINE), fail_on=(LookupError,)))
+    a duplicate waits; returns what the duplicate got and the reservations it made. Each
+    runs on the store's own connections, or on the app's connection given (``conn=``)."""
+    policy = Policy(
+        wait=timedelta(seconds=DEADLINE), fail_on=(LookupError,), lock_timeout=lock_timeout
+    )
+    idem = Idempotency(store, policy)
     entered, go = threading.Event(), threading.Event()
 
     def first() -> None:
         try:
-            with idem.once("k-1", operation="charge") as attempt:
+            with idem.once("k-1", operation="charge", conn=first_conn) as attempt:
                 entered.set()
                 go.wait(DEADLINE)
                 time.sleep(HOLD)
@@ -179,7 +191,7 @@ def first_and_waiter(store: Any, counted: Counting, *, settle: str) -> tuple[Any
         before = counted.reservations
         go.set()
         try:
-            with idem.once("k-1", operation="charge") as attempt:
+            with idem.once("k-1", operation="charge", conn=duplicate_conn) as attempt:
                 if not attempt.replayed:
                     attempt.result = "ran again"
                 return attempt.result, counted.reservations - before
@@ -534,3 +546,234 @@ async def test_a_cancelled_async_postgres_waiter_leaves_nothing_behind(
             assert replay.result == "charged"
     finally:
         await store.aclose()
+
+
+# -- PostgreSQL: a duplicate on the app's connection (conn=, transactional mode) -------------
+
+
+class CountingBoundPostgresStore(PostgresStore):
+    """A PostgreSQL store that counts the reservations of the units it binds to the app's
+    connections (a guarded call with ``conn=``)."""
+
+    reservations = 0
+
+    def bind(self, conn: Any, **options: Any) -> Any:
+        unit = super().bind(conn, **options)
+        perform = unit.perform
+
+        def counted(op: Any) -> Any:
+            if isinstance(op, Reserve):
+                self.reservations += 1
+            return perform(op)
+
+        unit.perform = counted  # type: ignore[method-assign]
+        return unit
+
+
+class PollingBoundPostgresStore(CountingBoundPostgresStore):
+    """The control: without ``wait_settled``, a duplicate on the app's connection polls."""
+
+    wait_settled = None  # type: ignore[assignment]
+
+
+@pytest.fixture
+def bound(request: pytest.FixtureRequest) -> Iterator[CountingBoundPostgresStore]:
+    with migrated(CountingBoundPostgresStore, request) as store:
+        yield store
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("settle", ["complete", "fail", "release", "end-lease"])
+def test_a_duplicate_on_the_apps_connection_is_woken_when_a_leased_first_ends(
+    postgres_url: str, bound: CountingBoundPostgresStore, settle: str
+) -> None:
+    """The first attempt's record is committed in progress (leased mode, the store's own
+    connection); the duplicate waits in transactional mode on a connection of the app's,
+    and is woken on one of the store's: two reservations, however long the first ran."""
+    with psycopg.connect(postgres_url) as app:
+        got, reservations = first_and_waiter(bound, bound, settle=settle, duplicate_conn=app)
+    expected = {"complete": "charged", "fail": "ReplayedFailureError", "release": "ran again"}
+    expected["end-lease"] = "ran again"
+    assert got == expected[settle]
+    assert reservations == 2  # in progress, then the outcome: no polls in between
+    pooled_sessions_are_clean(bound)
+
+
+@pytest.mark.postgres
+def test_a_duplicate_on_the_apps_connection_polls_without_wait_settled(
+    request: pytest.FixtureRequest, postgres_url: str
+) -> None:
+    """The control for the test above: the same run, with a store that cannot wake."""
+    with (
+        migrated(PollingBoundPostgresStore, request) as store,
+        psycopg.connect(postgres_url) as app,
+    ):
+        got, reservations = first_and_waiter(store, store, settle="complete", duplicate_conn=app)
+    assert got == "charged"
+    assert reservations > 4
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("settle", ["complete", "release"])
+def test_transactional_duplicates_racing_a_transactional_first_always_end(
+    postgres_url: str, bound: CountingBoundPostgresStore, settle: str
+) -> None:
+    """Many rounds, two connections of the app's: the first holds its uncommitted record past
+    the duplicate's lock timeout and ends at a random moment, in its row-lock wait or in the
+    wait on the store's connection that follows it; the duplicate always gets the outcome
+    (a wake-up lost in between would run into the test's deadline)."""
+    rng = random.Random(15)
+    policy = Policy(wait=timedelta(seconds=DEADLINE), lock_timeout=timedelta(milliseconds=20))
+    idem = Idempotency(bound, policy)
+    with (
+        psycopg.connect(postgres_url) as first_conn,
+        psycopg.connect(postgres_url) as duplicate_conn,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        for n in range(40):
+            key = f"race-{n}"
+            entered = threading.Event()
+
+            def first(key: str = key, entered: threading.Event = entered) -> None:
+                with (
+                    suppress(ConnectionError),
+                    idem.once(key, operation="charge", conn=first_conn) as attempt,
+                ):
+                    entered.set()
+                    time.sleep(0.02 + rng.random() * 0.06)
+                    if settle == "release":
+                        raise ConnectionError("the card network timed out")
+                    attempt.result = "charged"
+
+            def duplicate(key: str = key, entered: threading.Event = entered) -> Any:
+                entered.wait(DEADLINE)
+                with idem.once(key, operation="charge", conn=duplicate_conn) as attempt:
+                    if not attempt.replayed:
+                        attempt.result = "ran again"
+                    return attempt.result
+
+            running = pool.submit(first)
+            got = pool.submit(duplicate).result(DEADLINE)
+            running.result(DEADLINE)
+            assert got == ("charged" if settle == "complete" else "ran again")
+    pooled_sessions_are_clean(bound)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("conn", [False, True])
+def test_a_settle_that_sends_no_notification_still_ends_the_wait(
+    postgres_url: str, bound: CountingBoundPostgresStore, conn: bool
+) -> None:
+    """A record settled without a notification (an older idempo's settle, as a plain UPDATE)
+    while a duplicate waits, on the store's connection or on the app's: its lease and its
+    wait are far longer than the test's deadline, yet it replays, by asking again."""
+    long = timedelta(seconds=3 * DEADLINE)  # what a lost wake-up would wait
+    idem = Idempotency(bound, Policy(wait=long, lease=long))
+    holder = idem.once("k-1", operation="charge")
+    holder.__enter__()  # in progress; it never exits, the UPDATE below settles it
+    scope = Scope("", "charge", "k-1")
+    table = bound.dialect.table
+    with (
+        psycopg.connect(postgres_url) as app,
+        psycopg.connect(postgres_url, autocommit=True) as other,
+        ThreadPoolExecutor(1) as pool,
+    ):
+
+        def duplicate() -> Any:
+            with idem.once("k-1", operation="charge", conn=app if conn else None) as attempt:
+                return attempt.replayed, attempt.result
+
+        waited = pool.submit(duplicate)
+        until(lambda: marks(postgres_url, bound, scope, granted=True) == 1, "it waits")
+        other.execute(
+            f"UPDATE {table} SET state = 'completed', response = %s, lease_expires_at = NULL"
+            " WHERE idem_key = 'k-1'",
+            (b'"charged"',),
+        )
+        assert waited.result(DEADLINE) == (True, "charged")
+
+
+@pytest.mark.postgres
+def test_a_waiter_that_sees_no_record_waits_no_longer_than_a_poll(
+    postgres_url: str, pg: PostgresStore
+) -> None:
+    """The record is an open transaction's (transactional mode): no one else can see it, and
+    a rollback would send nothing. So the waiter waits about as long as a poll, then the
+    reservation meets the row lock; it never waits out the time it was given."""
+    idem = Idempotency(pg)
+    scope = Scope("", "charge", "k-1")
+    with (
+        psycopg.connect(postgres_url) as app,
+        idem.once("k-1", operation="charge", conn=app) as attempt,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        pool.submit(pg.wait_settled, scope, 3 * DEADLINE).result(DEADLINE)
+        attempt.result = "charged"
+    pooled_sessions_are_clean(pg)
+
+
+@pytest.mark.postgres
+def test_a_waiter_whose_lock_times_out_keeps_its_connection(
+    postgres_url: str, pg: PostgresStore
+) -> None:
+    """A settle holds the mark in an open transaction past the wait's end: the waiter's lock
+    times out, and its connection goes back to the pool clean rather than being closed."""
+    scope, token = held(pg, "k-1")
+    sql, params = settle_statement(pg, scope, token)
+    with psycopg.connect(postgres_url) as settling:
+        with settling.transaction():
+            settling.execute(sql, params)
+            pg.wait_settled(scope, seconds=0.2)
+        assert pg._pool.get_stats().get("returns_bad", 0) == 0
+    pooled_sessions_are_clean(pg)
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+async def test_an_async_duplicate_on_the_apps_connection_is_woken(
+    postgres_url: str, pg: PostgresStore
+) -> None:
+    """A thread's guard holds a key on the store's own connection, then completes it; an
+    async duplicate on an async connection of the app's waits, and replays at once."""
+    waiting = AsyncPostgresStore(postgres_url, table=pg.dialect.table)
+    sync = Idempotency(pg)
+    waiter = AsyncIdempotency(waiting, Policy(wait=timedelta(seconds=DEADLINE)))
+    entered, go = threading.Event(), threading.Event()
+    reservations = 0
+
+    def first() -> None:
+        with sync.once("k-1", operation="charge") as attempt:
+            entered.set()
+            go.wait(DEADLINE)
+            time.sleep(HOLD)
+            attempt.result = "charged"
+
+    bind = waiting.bind
+
+    def counting_bind(conn: Any, **options: Any) -> Any:
+        unit = bind(conn, **options)
+        perform = unit.perform
+
+        def counted(op: Any) -> Any:
+            nonlocal reservations
+            reservations += isinstance(op, Reserve)
+            return perform(op)
+
+        unit.perform = counted  # type: ignore[method-assign]
+        return unit
+
+    waiting.bind = counting_bind  # type: ignore[method-assign]
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        async with await psycopg.AsyncConnection.connect(postgres_url) as app:
+            await asyncio.to_thread(entered.wait, DEADLINE)
+            go.set()
+            async with waiter.once("k-1", operation="charge", conn=app) as attempt:
+                assert attempt.replayed
+                assert attempt.result == "charged"
+        assert reservations == 2  # in progress, then the replay: no polls
+    finally:
+        go.set()
+        thread.join(DEADLINE)
+        await waiting.aclose()

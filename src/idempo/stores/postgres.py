@@ -77,7 +77,16 @@ __all__ = ["AsyncPostgresStore", "PostgresStore"]
 T = TypeVar("T")
 C = TypeVar("C")
 
-_pyformat = lru_cache(maxsize=256)(pyformat)
+
+@lru_cache(maxsize=256)
+def _pyformat(sql: str) -> str | bytes:
+    """``sql`` as psycopg takes it, made once: encoded when it is ASCII (the same bytes in
+    every client encoding), because psycopg encodes a str again on every call and hashes the
+    new bytes to find its parse of it, several kB for a reservation, on every statement."""
+    query = pyformat(sql)
+    return query.encode() if query.isascii() else query
+
+
 # Few distinct lock timeouts are ever asked for; a cached one costs no Python call.
 _pg_ms = lru_cache(maxsize=64)(pg_ms)
 
@@ -112,7 +121,7 @@ def error(exc: BaseException) -> BaseException:
     return exc
 
 
-Queued = tuple[str, Any]
+Queued = tuple[str | bytes, Any]
 
 _SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}", None)
 _RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}", None)
@@ -204,7 +213,7 @@ class _Batch:
             self.flip = not conn.autocommit
         return began
 
-    def statement(self, sql: str, params: Any) -> None:
+    def statement(self, sql: str | bytes, params: Any) -> None:
         pending = self.pending
         if not self.reserving:
             pending.append((sql, params))
@@ -716,6 +725,25 @@ def _logic(dialect: PostgresDialect, mode: Mode, lock_timeout: timedelta | None)
     return unit_logic(dialect, mode, timeout)
 
 
+class _Woken(SyncUnit):
+    """The unit of a guarded call on the app's connection, whose duplicate told to wait
+    waits as the store's own do (``wait_settled``, on one of the store's connections): the
+    app's connection cannot listen inside the app's transaction, notifications arriving
+    only between transactions. The reservation that follows still runs on the app's."""
+
+    def __init__(self, logic: UnitLogic, run: Any, wait_settled: Any) -> None:
+        super().__init__(logic, run)
+        self.wait_settled = wait_settled
+
+
+class _AsyncWoken(AsyncUnit):
+    """The asynchronous face of `_Woken`."""
+
+    def __init__(self, logic: UnitLogic, run: Any, wait_settled: Any) -> None:
+        super().__init__(logic, run)
+        self.wait_settled = wait_settled
+
+
 class PostgresStore(SqlStore):
     """A PostgreSQL store. Safe to share between threads; each verb borrows a pooled connection.
 
@@ -831,13 +859,20 @@ class PostgresStore(SqlStore):
             watchdog = self._watchdog
             watchdog.watch(conn, allowance=watch.left())  # the lock waits for a settle's commit
             conn.execute(watch.listen)
-            conn.execute(watch.lock())
-            if conn.execute(_pyformat(watch.check), watch.params).fetchone():
-                watchdog.done(conn)  # no answer is awaited: silence is no failure here
-                for _ in conn.notifies(timeout=watch.left(), stop_after=1):
-                    pass
-                watchdog.watch(conn)
-            conn.execute(watch.unwatch)
+            try:
+                conn.execute(watch.lock())
+            except pg_errors.LockNotAvailable:
+                # A settle holds the mark past the wait's end: the reservation meets it.
+                conn.execute(watch.abandon)
+            else:
+                read = conn.execute(_pyformat(watch.check), watch.params)
+                patience = watch.patience(read.fetchone())
+                if patience > 0:
+                    watchdog.done(conn)  # no answer is awaited: silence is no failure here
+                    for _ in conn.notifies(timeout=patience, stop_after=1):
+                        pass
+                    watchdog.watch(conn)
+                conn.execute(watch.unwatch)
             for _ in conn.notifies(timeout=0):  # what came before UNLISTEN took effect
                 pass
 
@@ -848,14 +883,14 @@ class PostgresStore(SqlStore):
         logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.Connection):
             tx = _PsycopgTx(conn, self.run, one_trip=self.one_trip_replays)
-            return SyncUnit(logic, partial(execute, tx))
+            return _Woken(logic, partial(execute, tx), self.wait_settled)
         conn = sqlalchemy_connection(
             conn, asynchronous=False, store="PostgresStore", driver="a psycopg.Connection"
         )
         from ._sql.sqlalchemy import SqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = SqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
-        return SyncUnit(logic, executor.run)
+        return _Woken(logic, executor.run, self.wait_settled)
 
     def close(self) -> None:
         self._watchdog.close()
@@ -961,13 +996,19 @@ class AsyncPostgresStore(AsyncSqlStore):
                     watchdog = self._watchdog
                     watchdog.watch(conn, allowance=watch.left())
                     await conn.execute(watch.listen)
-                    await conn.execute(watch.lock())
-                    if await (await conn.execute(_pyformat(watch.check), watch.params)).fetchone():
-                        watchdog.done(conn)
-                        async for _ in conn.notifies(timeout=watch.left(), stop_after=1):
-                            pass
-                        watchdog.watch(conn)
-                    await conn.execute(watch.unwatch)
+                    try:
+                        await conn.execute(watch.lock())
+                    except pg_errors.LockNotAvailable:
+                        await conn.execute(watch.abandon)
+                    else:
+                        read = await conn.execute(_pyformat(watch.check), watch.params)
+                        patience = watch.patience(await read.fetchone())
+                        if patience > 0:
+                            watchdog.done(conn)
+                            async for _ in conn.notifies(timeout=patience, stop_after=1):
+                                pass
+                            watchdog.watch(conn)
+                        await conn.execute(watch.unwatch)
                     async for _ in conn.notifies(timeout=0):
                         pass
 
@@ -978,7 +1019,7 @@ class AsyncPostgresStore(AsyncSqlStore):
         logic = _logic(self.dialect, mode, lock_timeout)
         if isinstance(conn, psycopg.AsyncConnection):
             tx = _AsyncPsycopgTx(conn, self.run, one_trip=self.one_trip_replays)
-            return AsyncUnit(logic, partial(aexecute, tx))
+            return _AsyncWoken(logic, partial(aexecute, tx), self.wait_settled)
         conn = sqlalchemy_connection(
             conn,
             asynchronous=True,
@@ -988,7 +1029,7 @@ class AsyncPostgresStore(AsyncSqlStore):
         from ._sql.sqlalchemy import AsyncSqlAlchemyTx  # noqa: PLC0415 - optional dependency
 
         executor = AsyncSqlAlchemyTx(conn, self.dialect, self.run, map_error, conflict=is_conflict)
-        return AsyncUnit(logic, executor.run)
+        return _AsyncWoken(logic, executor.run, self.wait_settled)
 
     async def aclose(self) -> None:
         self._watchdog.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import operator
 import zlib
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, timedelta
 from functools import cached_property
 from time import monotonic
 from typing import Any
@@ -75,10 +75,9 @@ class PostgresDialect(SqlDialect):
             self._waiting[ms] = clone
         return clone
 
-    def py_time(self, value: Any) -> datetime:
-        # timestamptz comes back in the session's TimeZone; a record's times are UTC.
-        result: datetime = value.astimezone(UTC)
-        return result
+    # timestamptz comes back in the session's TimeZone; a record's times are UTC. A builtin,
+    # as db_span: a record's decode converts four times, and a Python frame each costs more.
+    py_time = operator.methodcaller("astimezone", UTC)  # type: ignore[assignment]
 
     # Durations go as intervals, unchanged: a builtin (no Python frame on the hot path).
     db_span = staticmethod(operator.pos)  # type: ignore[assignment]
@@ -303,16 +302,27 @@ class PostgresDialect(SqlDialect):
         return int(count), latest
 
 
+# How long a waiter waits for a notification at most before it reserves again, though the
+# record is in progress with a live lease: a settle that sends none (an older idempo's, a
+# record evicted, a notification lost with its connection) costs at most this. Seconds.
+RECHECK_SECONDS = 2.0
+# How long it waits at most when it finds no record in progress that others can see: the
+# holder may be an open transaction (transactional mode, whose record commits with its
+# outcome), whose settle notifies it but whose rollback does not, and whose row lock the
+# reservation that follows waits on. The flow's poll interval, so no faster. Seconds.
+HOLDER_SECONDS = 0.05
+
+
 class Watch:
     """A waiting duplicate's statements, in order, on one connection of its own in
     autocommit mode: `listen`; `lock`, the shared mark a settle looks for (it waits for a
-    settle that took the mark first to commit, at most until the deadline); `check`, whether
-    the record is still in progress, read after the lock (a statement's snapshot is taken
-    when it starts, so the lock and the read cannot be one statement); if it is, the
-    notification, at most until the deadline; then `unwatch`. A settle either meets the
-    mark and notifies a listener, or holds the mark to its commit, which the lock then waits
-    for, so the read sees it: no settle falls between the read and the wait. A failure on
-    the way leaves the connection to be closed, which ends its LISTEN and lock with it."""
+    settle that took the mark first to commit, at most until the deadline); `check`, what
+    the record is, read after the lock (a statement's snapshot is taken when it starts, so
+    the lock and the read cannot be one statement); then the notification, for as long as
+    `patience` says; then `unwatch`. A settle either meets the mark and notifies a listener,
+    or holds the mark to its commit, which the lock then waits for, so the read sees it: no
+    settle falls between the read and the wait. A failure on the way leaves the connection
+    to be closed, which ends its LISTEN and lock with it."""
 
     def __init__(self, dialect: PostgresDialect, scope: Scope, deadline: float) -> None:
         self.deadline = deadline
@@ -323,10 +333,14 @@ class Watch:
         # trip; the lock's timeout is the transaction's own, so the session's stays as set).
         self.listen = f"LISTEN {channel}"
         self.unwatch = f"SELECT pg_advisory_unlock_shared({mark}); UNLISTEN {channel}"
+        # After the lock timed out: its transaction failed, and holds no lock.
+        self.abandon = f"ROLLBACK; UNLISTEN {channel}"
         self.lock_at = f"pg_advisory_lock_shared({mark})"
+        # 2: in progress, its lease live; 1: in progress, its lease over; 0: settled.
         self.check = (
-            f"SELECT 1 FROM {dialect.table} WHERE {dialect.where_scope}"
-            " AND state = 'in_progress' AND lease_expires_at > statement_timestamp()"
+            f"SELECT CASE WHEN state <> 'in_progress' THEN 0"
+            " WHEN lease_expires_at > statement_timestamp() THEN 2 ELSE 1 END"
+            f" FROM {dialect.table} WHERE {dialect.where_scope}"
         )
         self.params = dialect.scope_params(scope)
 
@@ -338,3 +352,13 @@ class Watch:
         """The shared lock on the mark, waiting no longer than what is left."""
         wait = pg_ms(timedelta(seconds=self.left()))
         return f"BEGIN; SET LOCAL lock_timeout = '{wait}'; SELECT {self.lock_at}; COMMIT"
+
+    def patience(self, row: Any) -> float:
+        """How long to wait for the notification, given what `check` read (``row``; None
+        when there is no record that others can see): none once settled; `RECHECK_SECONDS`
+        at most while in progress; `HOLDER_SECONDS` at most when the record may be an open
+        transaction's (none yet, or a lease over, which a transactional takeover may hold)."""
+        if row is not None and row[0] == 0:
+            return 0.0
+        bound = RECHECK_SECONDS if row is not None and row[0] == 2 else HOLDER_SECONDS
+        return min(self.left(), bound)
