@@ -264,6 +264,16 @@ def test_wait_settled_returns_at_once_for_a_record_not_in_progress() -> None:
     assert store._waiting == {}
 
 
+def hold_then_complete(idem: Idempotency, entered: threading.Event, go: threading.Event) -> None:
+    """A first attempt on a thread: it holds "k-1", says so on ``entered``, waits for ``go``
+    and a little more, then completes."""
+    with idem.once("k-1", operation="charge") as attempt:
+        entered.set()
+        go.wait(DEADLINE)
+        time.sleep(HOLD)
+        attempt.result = "charged"
+
+
 async def async_waiter_is_woken(sync_store: Any, async_store: Any, counted: Any) -> None:
     """A thread's sync guard on ``sync_store`` holds a key, then completes it; an async
     duplicate on ``async_store`` waits, and replays after two reservations (``counted``'s)."""
@@ -271,12 +281,7 @@ async def async_waiter_is_woken(sync_store: Any, async_store: Any, counted: Any)
     waiter = AsyncIdempotency(async_store, Policy(wait=timedelta(seconds=DEADLINE)))
     entered, go = threading.Event(), threading.Event()
 
-    def first() -> None:
-        with sync.once("k-1", operation="charge") as attempt:
-            entered.set()
-            go.wait(DEADLINE)
-            time.sleep(HOLD)
-            attempt.result = "charged"
+    first = functools.partial(hold_then_complete, sync, entered, go)
 
     thread = threading.Thread(target=first)
     thread.start()
@@ -741,12 +746,7 @@ async def test_an_async_duplicate_on_the_apps_connection_is_woken(
     entered, go = threading.Event(), threading.Event()
     reservations = 0
 
-    def first() -> None:
-        with sync.once("k-1", operation="charge") as attempt:
-            entered.set()
-            go.wait(DEADLINE)
-            time.sleep(HOLD)
-            attempt.result = "charged"
+    first = functools.partial(hold_then_complete, sync, entered, go)
 
     bind = waiting.bind
 
