@@ -221,7 +221,7 @@ class AsyncRedisStore:
         except Exception:  # noqa: BLE001 - a failure only ends the wait (see the sync face)
             return
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
 
     async def evict(self, scope: Scope) -> bool:
         return await self._drive(_ops.evict(self._keys, scope))

@@ -155,7 +155,7 @@ class RedisStore:
         instead of polling. Subscribed before the record is read, so no settle falls in
         between. Any failure only ends the wait: the reservation that follows meets it."""
         deadline = time.monotonic() + seconds
-        pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
+        pubsub = self.client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
         try:
             pubsub.subscribe(self._keys.key(scope))
             if not _confirmed(pubsub.get_message(timeout=seconds)):
