@@ -27,6 +27,10 @@ from idempo.stores.mysql import connect_options
 from idempo.stores.sqlite import SQLiteStore
 from redis_servers import free_ports, installed, redis_server
 
+# One test sets the MariaDB server's innodb_flush_log_at_trx_commit (a global) for a while,
+# and the others read it: on pytest-xdist's workers they take turns on one.
+pytestmark = pytest.mark.xdist_group("doctor")
+
 runner = CliRunner()
 
 
