@@ -574,10 +574,15 @@ INSTRUCTION_RATIOS = [
 def run_one(settings: Settings) -> None:
     """The process valgrind watches: build one scenario, warm it up, make the calls."""
     assert settings.scenario is not None
-    scenario = FACTORIES[settings.scenario][1](settings.dsn)
+    counted_calls(FACTORIES[settings.scenario][1](settings.dsn), settings.calls)
+
+
+def counted_calls(scenario: Scenario, calls: int) -> None:
+    """What a process valgrind watches does: warm ``scenario`` up, make ``calls`` calls,
+    close it (bench/redis_store.py's too)."""
     try:
         warm_up(scenario, 50)
-        for _ in range(settings.calls):
+        for _ in range(calls):
             scenario.op()
     finally:
         scenario.close()

@@ -68,6 +68,7 @@ from postgres_tx import (
     Scenario,
     ScenarioFactory,
     count_round_trips,
+    counted_calls,
     measure_throughput,
     warm_up,
 )
@@ -623,15 +624,9 @@ INSTRUCTION_CALLS = (200, 1200)
 def run_one(settings: Settings) -> None:
     """The process valgrind watches: build one scenario, warm it up, make the calls."""
     assert settings.scenario is not None
-    scenario = FACTORIES[settings.scenario][1](settings.url)
-    try:
-        warm_up(scenario, 50)
-        for _ in range(settings.count_calls):
-            scenario.op()
-    finally:
-        # The parent deletes the keys: a cleanup here would SCAN the whole keyspace, whose
-        # cost grows with whatever else the server holds, inside the count.
-        scenario.close()
+    # The parent deletes the keys: a cleanup here would SCAN the whole keyspace, whose cost
+    # grows with whatever else the server holds, inside the count.
+    counted_calls(FACTORIES[settings.scenario][1](settings.url), settings.count_calls)
 
 
 def instructions(name: str, url: str, calls: int) -> int:
