@@ -567,7 +567,6 @@ def check_invariants(cached: Any, ledger: Ledger, results: list[tuple[str, str]]
     records = [cache._records[s] for s in cache.scopes()]
     assert cache.nbytes == sum(len(r.response or b"") for r in records)
     assert all(r.status is Status.COMPLETED for r in records)
-    assert cache.hits > 0
 
 
 @pytest.mark.slow
@@ -601,6 +600,13 @@ def test_threads_hammering_a_small_cache(store: Any) -> None:
         thread.join(timeout=120)
     assert not errors, errors[:3]
     check_invariants(cached, ledger, results)
+    # Whether the storm itself hit depends on how its callers interleave (12 keys called
+    # round-robin through 4 entries can miss every time); after it, a key called twice in a
+    # row is served from the cache the second time.
+    work(KEYS[0])
+    hits = cached.cache.hits
+    assert work(KEYS[0]) == f"result-{KEYS[0]}"
+    assert cached.cache.hits == hits + 1
 
 
 @pytest.mark.slow
@@ -630,3 +636,7 @@ async def test_tasks_hammering_a_small_cache(async_store: Any) -> None:
     async with asyncio.timeout(120):
         await asyncio.gather(*tasks)
     check_invariants(cached, ledger, results)
+    await work(KEYS[0])  # as for the threads: the second call in a row is a hit
+    hits = cached.cache.hits
+    assert await work(KEYS[0]) == f"result-{KEYS[0]}"
+    assert cached.cache.hits == hits + 1

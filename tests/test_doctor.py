@@ -28,7 +28,8 @@ from idempo.stores.sqlite import SQLiteStore
 from redis_servers import free_ports, installed, redis_server
 
 # One test sets the MariaDB server's innodb_flush_log_at_trx_commit (a global) for a while,
-# and the others read it: on pytest-xdist's workers they take turns on one.
+# and the others read it: on pytest-xdist's workers they take turns on one, and across
+# processes (another checkout's suite on the same server) they hold `flush_turn`'s lock.
 pytestmark = pytest.mark.xdist_group("doctor")
 
 runner = CliRunner()
@@ -325,7 +326,23 @@ def test_clock_skew_is_measured_against_the_store(postgres_url: str, pg_schema: 
 # -- MariaDB ---------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def flush_turn(mysql_url: str) -> Iterator[None]:
+    """Holds a server-wide named lock while a test reads or sets innodb_flush_log_at_trx_commit:
+    the setting is one for the whole server, which every suite running on it shares."""
+    conn = pymysql.connect(**connect_options(mysql_url), autocommit=True)
+    with conn, conn.cursor() as cursor:
+        cursor.execute("SELECT GET_LOCK('idempo-tests-innodb-flush', 120)")
+        ((taken,),) = cursor.fetchall()
+        assert taken == 1, "another test run held the flush setting for two minutes"
+        try:
+            yield
+        finally:
+            cursor.execute("SELECT RELEASE_LOCK('idempo-tests-innodb-flush')")
+
+
 @pytest.mark.mysql
+@pytest.mark.usefixtures("flush_turn")
 def test_mariadb_set_up_well_passes_and_a_missing_schema_fails(
     mysql_url: str, mysql_db: str
 ) -> None:
@@ -338,7 +355,7 @@ def test_mariadb_set_up_well_passes_and_a_missing_schema_fails(
 
 
 @pytest.fixture
-def flush_setting(mysql_url: str) -> Iterator[Any]:
+def flush_setting(mysql_url: str, flush_turn: None) -> Iterator[Any]:
     """Sets the server's innodb_flush_log_at_trx_commit (a dynamic global) for the test,
     and puts the value it had back."""
     conn = pymysql.connect(**connect_options(mysql_url), autocommit=True)
