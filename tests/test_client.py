@@ -435,11 +435,12 @@ def test_attempts_stop_at_the_maximum(caller: Caller, payments: Payments) -> Non
 
 def test_the_deadline_cuts_a_stalled_attempt(caller: Caller, payments: Payments) -> None:
     """An attempt's timeouts are cut to the deadline, and no retry starts after it."""
-    intent = payments.intent(Slow(1.0))
+    intent = payments.intent(Slow(3.0))
     started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout) as raised:
         caller.post(intent, policy=fast(deadline=0.3), timeout=10.0)
-    assert time.monotonic() - started < 0.9
+    # Cut at 0.3 s, not the server's 3 s or the 10 s asked: the rest is room for a busy machine.
+    assert time.monotonic() - started < 2.0
     assert len(payments.keys(intent)) == 1
     key = payments.keys(intent)[0]
     assert any(f"Idempotency-Key: {key}" in note for note in raised.value.__notes__)
@@ -452,8 +453,11 @@ def test_the_deadline_stops_waits_in_real_time(caller: Caller, payments: Payment
     response = caller.post(intent, policy=RetryPolicy(max_attempts=20, deadline=0.9))
     elapsed = time.monotonic() - started
     assert response.status_code == 503
-    assert response.extensions["idempotency_attempts"] in {3, 4}
-    assert 0.5 <= elapsed < 1.2  # the deadline plus making the client, outside the deadline
+    # Four at most (0, 0.25, 0.5, 0.75 s); fewer when a busy machine slows each attempt.
+    assert 2 <= response.extensions["idempotency_attempts"] <= 4
+    # It stops only when the next 0.25 s wait would pass 0.9 s, so never before 0.65 s; after
+    # the deadline, only making the client (outside it) and a busy machine's lag.
+    assert 0.65 <= elapsed < 2.0
 
 
 def test_a_retry_after_past_the_deadline_is_not_waited_for(
