@@ -6,7 +6,9 @@ import this module by name (pytest puts tests/ on sys.path, and spawn hands sys.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +25,41 @@ from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 def new_key() -> str:
     """An idempotency key no other test uses."""
     return f"k-{uuid.uuid4().hex}"
+
+
+# How long a test that opens many app connections of its own (the races: one per thread, task
+# or process) waits for PostgreSQL to have room for them. The server's 100 connections are
+# shared with the other pytest-xdist worker and the rest of the machine, and what a busy
+# moment fills frees up within seconds.
+_PG_ROOM_SECONDS = 60.0
+
+
+def _no_room(exc: psycopg.OperationalError, started: float) -> bool:
+    return "too many clients" in str(exc) and time.monotonic() - started < _PG_ROOM_SECONDS
+
+
+def pg_connect(location: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
+    """A psycopg connection, waiting while the server is full (``too many clients``)."""
+    started = time.monotonic()
+    while True:
+        try:
+            return psycopg.connect(location, autocommit=autocommit)
+        except psycopg.OperationalError as exc:
+            if not _no_room(exc, started):
+                raise
+            time.sleep(0.2)
+
+
+async def pg_aconnect(location: str, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
+    """`pg_connect`'s async twin."""
+    started = time.monotonic()
+    while True:
+        try:
+            return await psycopg.AsyncConnection.connect(location, autocommit=autocommit)
+        except psycopg.OperationalError as exc:
+            if not _no_room(exc, started):
+                raise
+            await asyncio.sleep(0.2)
 
 
 class MySQLConnection(pymysql.connections.Connection):
@@ -87,7 +124,7 @@ class Database:
             return store.connect()
         if self.kind == "mysql":
             return MySQLConnection(**connect_options(self.location), autocommit=autocommit)
-        return psycopg.connect(self.location, autocommit=autocommit)
+        return pg_connect(self.location, autocommit=autocommit)
 
     def execute(self, text: str) -> None:
         """Run one statement on a plain driver connection of its own, committed at once."""

@@ -22,10 +22,9 @@ from typing import Any, Literal
 import aiomysql
 import anyio
 import anyio.lowlevel
-import psycopg
 import pytest
 
-from helpers import Database
+from helpers import Database, pg_aconnect
 from idempo import AsyncIdempotency, Idempotency, Policy, RequestInProgressError
 from idempo.stores.memory import AsyncMemoryStore, MemoryStore
 from idempo.stores.mysql import connect_options
@@ -473,9 +472,7 @@ async def test_tasks_async_postgres_execute_once_per_key(
         stack.push_async_callback(store.aclose)
         calls: list[AsyncCall] = []
         for index in range(TASKS):
-            conn = await psycopg.AsyncConnection.connect(
-                postgres_database.location, autocommit=mode == "store"
-            )
+            conn = await pg_aconnect(postgres_database.location, autocommit=mode == "store")
             await stack.enter_async_context(conn)
 
             async def effect(key: str, nonce: str, conn: Any = conn) -> None:
