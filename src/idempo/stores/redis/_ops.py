@@ -16,6 +16,7 @@ more pipeline after the write), which `purge` reads instead of scanning the keys
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -122,7 +123,7 @@ def reserve(
         clock.anchor(reply, sent, clock.ticks())
         token = clock.token()
         assert token is not None
-    nonce = _protocol.new_nonce()
+    nonce = os.urandom(8)
     names = _protocol.named(keys.prefix, scope)
     key = names[0]
     value, px = keys.fresh(names, fingerprint, token, nonce, now, lease, ttl)
@@ -137,7 +138,7 @@ def reserve(
         if now is not None:
             yield _expiring(keys, scope, _due(now, lease + ttl), px, reserves)
         return Acquired(token=token)
-    if not _protocol.wrong_type(existing):
+    if not isinstance(existing, Exception) or not _protocol.wrong_type(existing):
         verdict = _protocol.found(existing, scope, fingerprint, now, nonce)
         if verdict is not None:
             return verdict
