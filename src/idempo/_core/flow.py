@@ -253,14 +253,14 @@ def _reserve(
     # The policy's bound goes with every reservation: a store's own connection meets the
     # row lock of a transactional holder too, and has no other way to learn it.
     lock_timeout = policy.lock_timeout
+    clock = policy.clock  # `policy.now()`, inlined: a call less on every reservation
     while True:
         if elapsed is not None and wait is not None:
             # Every wait counts against the caller's, row-lock waits included: a
             # reservation waits on a lock no longer than what is left.
             lock_timeout = min(max(wait - elapsed(), timedelta(0)), policy.lock_timeout)
-        reservation = yield Reserve(
-            scope, fingerprint, policy.now(), policy.lease, policy.ttl, lock_timeout
-        )
+        now = None if clock is None else clock()
+        reservation = yield Reserve(scope, fingerprint, now, policy.lease, policy.ttl, lock_timeout)
         # isinstance tests, not a match on class patterns: this runs on every call.
         if isinstance(reservation, Acquired):
             return reservation

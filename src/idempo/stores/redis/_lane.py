@@ -93,11 +93,11 @@ class Lane(_Kept):
         conn = self._kept()
         if conn is None:
             conn = self._pool.get_connection()
-        packed = self._pack(args)
+        # Partials, not lambdas: no closure cells, and no Python frame between the retry
+        # and the send.
+        send = functools.partial(_send, conn, self._pack(args))
         try:
-            return conn.retry.call_with_retry(
-                lambda: _send(conn, packed), lambda _error: conn.disconnect()
-            )
+            return conn.retry.call_with_retry(send, functools.partial(_drop, conn))
         except redis.exceptions.ResponseError:
             raise  # Redis answered: the connection is in step
         except BaseException:
@@ -125,11 +125,9 @@ class AsyncLane(_Kept):
         conn = self._kept()
         if conn is None:
             conn = await self._pool.get_connection()
-        packed = self._pack(args)
+        send = functools.partial(_asend, conn, self._pack(args))
         try:
-            return await conn.retry.call_with_retry(
-                lambda: _asend(conn, packed), lambda _error: conn.disconnect()
-            )
+            return await conn.retry.call_with_retry(send, functools.partial(_drop, conn))
         finally:
             self._idle.append(conn)
 
@@ -137,6 +135,11 @@ class AsyncLane(_Kept):
         """`Lane.close`, awaited."""
         while self._idle:
             await self._pool.release(self._idle.pop())
+
+
+def _drop(conn: Any, _error: BaseException) -> Any:
+    """What the retry does on a broken connection: it connects again when next used."""
+    return conn.disconnect()
 
 
 def _send(conn: Any, packed: bytes) -> Any:
