@@ -36,7 +36,16 @@ from typing import Any
 
 from ..._core.digest import key_ref
 from ..._core.keys import Scope, evict_hint
-from ..._core.record import Acquired, Mismatch, Record, Replay, Reservation, Status, judge
+from ..._core.record import (
+    Acquired,
+    Mismatch,
+    Record,
+    Replay,
+    Reservation,
+    Status,
+    decoded,
+    judge,
+)
 from ...errors import ConfigurationError, CorruptRecordError, FencedError, StoreError
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -366,7 +375,7 @@ def decode(
         raise _bad(scope, "a string that is not UTF-8") from exc
     settled = st != IN_PROGRESS
     # `_time`, inlined: three calls more on every record read.
-    record = Record(
+    record = decoded(
         scope,
         fingerprint,
         _STATUSES[st],
