@@ -74,8 +74,10 @@ class _Kept:
             # The parent's sockets are not this process's to use or to close.
             self._idle = []
             self._pid = os.getpid()
-        idle = self._idle
-        return idle.pop() if idle else None
+        try:
+            return self._idle.pop()
+        except IndexError:  # none kept (another thread may have taken the last one just now)
+            return None
 
 
 class Lane(_Kept):
