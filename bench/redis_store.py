@@ -8,6 +8,9 @@ so what is measured is the idempotency layer and its Redis traffic:
                          not know the key was done would need SET NX first: 2 round trips)
     idempo               Idempotency(RedisStore).idempotent, a fresh key per call
     idempo_replay        the same, one completed key
+    minimum_async_replay minimum_replay on redis.asyncio, a loop running each call
+    idempo_async         AsyncIdempotency(AsyncRedisStore), a fresh key per call, likewise
+    idempo_async_replay  the same, one completed key
     idempo_cached        the same guard on CachedStore(RedisStore), fresh keys
     idempo_cached_replay ... replaying from the local cache
     powertools           AWS Lambda Powertools' idempotent_function with its Redis
@@ -43,6 +46,7 @@ Usage: python bench/redis_store.py [--seconds N] [--rounds R] [--quick] [--url U
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
@@ -144,6 +148,35 @@ def make_minimum_replay(url: str) -> Scenario:
     )
 
 
+def make_minimum_async_replay(url: str) -> Scenario:
+    """`minimum_replay` on redis.asyncio, each GET run to its end on one loop (as
+    idempo_async_replay's calls are)."""
+    import redis.asyncio
+
+    loop = asyncio.new_event_loop()
+    client = redis.asyncio.Redis.from_url(url)
+    key = fresh_key("min-async-replay")
+    with redis.Redis.from_url(url) as setup:
+        minimum_pay(setup, key, AMOUNT)
+
+    async def replay() -> dict[str, str]:
+        stored = await client.get(f"{PREFIX}:min:{key}")
+        if stored is None or stored == b"\x00":
+            raise RuntimeError(f"{key} is in progress, or gone")
+        value: dict[str, str] = json.loads(stored)
+        return value
+
+    def close() -> None:
+        loop.run_until_complete(client.aclose())
+        loop.close()
+
+    return Scenario(
+        "minimum_async_replay",
+        lambda: expect(loop.run_until_complete(replay()), key, "minimum async replay"),
+        close,
+    )
+
+
 # --------------------------------------------------------------------------- libraries
 
 
@@ -194,6 +227,31 @@ def make_idempo_pay(url: str, cache: int) -> tuple[Callable[..., Any], Callable[
 
 
 make_idempo, make_idempo_replay = library_scenarios("idempo", lambda url: make_idempo_pay(url, 0))
+
+
+def make_idempo_async_pay(url: str) -> tuple[Callable[..., Any], Callable[[], None]]:
+    """The same on AsyncIdempotency(AsyncRedisStore), each call run to its end on one loop."""
+    from idempo import AsyncIdempotency
+    from idempo.stores.redis import AsyncRedisStore
+
+    loop = asyncio.new_event_loop()
+    store = AsyncRedisStore(url, prefix=f"{PREFIX}:idempo-async")
+    idem = AsyncIdempotency(store)
+
+    @idem.idempotent(key="order_id")
+    async def pay(order_id: str, amount: int) -> dict[str, str]:
+        return pay_result(order_id)
+
+    def close() -> None:
+        loop.run_until_complete(store.aclose())
+        loop.close()
+
+    return lambda order_id, amount: loop.run_until_complete(pay(order_id, amount)), close
+
+
+make_idempo_async, make_idempo_async_replay = library_scenarios(
+    "idempo_async", make_idempo_async_pay
+)
 make_idempo_cached, make_idempo_cached_replay = library_scenarios(
     "idempo_cached", lambda url: make_idempo_pay(url, 10_000)
 )
@@ -305,6 +363,9 @@ FACTORIES: dict[str, tuple[str, ScenarioFactory]] = {
     "minimum_replay": ("replay", make_minimum_replay),
     "idempo": ("fresh", make_idempo),
     "idempo_replay": ("replay", make_idempo_replay),
+    "minimum_async_replay": ("replay", make_minimum_async_replay),
+    "idempo_async": ("fresh", make_idempo_async),
+    "idempo_async_replay": ("replay", make_idempo_async_replay),
     "idempo_cached": ("fresh", make_idempo_cached),
     "idempo_cached_replay": ("replay", make_idempo_cached_replay),
     "powertools": ("fresh", make_powertools),
@@ -322,6 +383,8 @@ RATIOS: list[tuple[str, str, float | None]] = [
     ("idempo_replay", "powertools_replay", 3.0),
     ("idempo", "idemkit", 1.0),
     ("idempo_replay", "idemkit_replay", 1.0),
+    ("idempo_async_replay", "minimum_async_replay", None),
+    ("idempo_async", "idempo", None),
     ("idempo_cached_replay", "idempo_replay", 10.0),
     ("idempo_cached", "idempo", None),
     ("idempo_cached_replay", "minimum_replay", None),

@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import redis
 
 from faults import STEP, Canceller, Gate
 from idempo import AsyncIdempotency, Policy, RequestInProgressError, Scope, Status
@@ -234,6 +235,114 @@ async def test_a_sqlite_reserve_cancelled_in_its_thread_commits_nothing(
         other, "fp", now=_now(), lease=timedelta(seconds=30), ttl=timedelta(hours=1)
     )
     assert await store.get(scope) is None
+
+
+# Where the cancellation lands in a Redis reservation: before its SET is sent, with the SET
+# sent and its reply on its way, with the reply read, and (on a given clock) in the listing
+# that follows a reservation taken.
+REDIS_MOMENTS = ["before", "in-flight", "answered", "listing"]
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("moment", REDIS_MOMENTS)
+async def test_a_redis_reserve_awaited_in_the_callers_task_leaves_nothing_held(
+    async_redis_store: Any,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    moment: str,
+) -> None:
+    """AsyncRedisStore undoes a cancelled reservation itself (`undoes_cancelled_reserve`),
+    so the flow awaits its reserve in the caller's own task, with no task of its own: the
+    cancellation cuts the reservation short, and the key is free all the same once the
+    caller sees its cancellation."""
+    from idempo.stores.redis import _lane
+    from idempo.stores.redis._ops import Batch, Command
+
+    store = async_redis_store
+    entered, opened = asyncio.Event(), asyncio.Event()
+    seen: list[asyncio.Task[Any] | None] = []
+
+    async def hold() -> None:
+        seen.append(asyncio.current_task())
+        entered.set()
+        await opened.wait()
+
+    def gated(call: Any) -> bool:
+        if entered.is_set():
+            return False  # the retry passes freely
+        if moment == "listing":
+            return isinstance(call, Batch)
+        return isinstance(call, Command) and call.name == "execute_command"
+
+    start = store._start
+
+    async def held(call: Any, before: bool) -> Any:
+        if before:
+            await hold()
+        reply = await start(call)
+        if not before:
+            await hold()
+        return reply
+
+    def gated_start(call: Any) -> Any:
+        if not gated(call):
+            return start(call)
+        return held(call, moment in ("before", "listing"))
+
+    send = _lane._asend
+
+    async def in_flight(conn: Any, packed: bytes) -> Any:
+        if entered.is_set():
+            return await send(conn, packed)
+        await conn.send_packed_command(packed)
+        try:
+            await hold()
+        except asyncio.CancelledError:
+            await conn.disconnect()  # as redis-py's read does when it is cancelled
+            raise
+        return await conn.read_response()
+
+    if moment == "in-flight":
+        monkeypatch.setattr(_lane, "_asend", in_flight)
+    else:
+        monkeypatch.setattr(store, "_start", gated_start)
+    clock = _now if moment == "listing" else None
+    idem = AsyncIdempotency(store, Policy(lease=timedelta(minutes=10), clock=clock))
+    scope = Scope.of("k-redis-cancel", operation=OPERATION)
+    ran: list[str] = []
+
+    found: list[bytes | None] = []
+
+    async def call() -> Any:
+        try:
+            async with idem.once(scope.key, operation=OPERATION) as attempt:
+                if not attempt.replayed:
+                    ran.append("ran")
+                    attempt.result = "done"
+        except BaseException:
+            # Read at once, with no turn of the loop in between: the state the caller's
+            # cancellation leaves, not what an undo in the background leaves later.
+            found.append(reader.get(store._keys.key(scope)))
+            raise
+        return attempt.result
+
+    with redis.Redis.from_url(redis_url) as reader:
+        canceller = Canceller(kind)
+        task = await canceller.run(call)
+        await asyncio.wait_for(entered.wait(), STEP)
+        assert seen == [task], "the reserve ran in a task of its own"
+        canceller.fire()
+        await turns()
+        opened.set()
+        await canceller.outcome(task)
+    assert ran == []
+    assert len(found) == 1
+    assert found[0] is None or found[0][:1] == b"x", "the key was held when the caller heard"
+    assert await asyncio.wait_for(call(), STEP) == "done"
+    assert ran == ["ran"]
 
 
 def _now() -> datetime:

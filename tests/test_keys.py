@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idempo import InvalidKeyError, derive_key, step_key, validate_key
-from idempo._core.keys import DERIVE_NAMESPACE, STEP_NAMESPACE
+from idempo._core.keys import DERIVE_NAMESPACE, STEP_NAMESPACE, Scope, scope_of
 
 PRINTABLE = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
 keys = st.text(PRINTABLE, min_size=1, max_size=255)
@@ -106,3 +107,28 @@ def test_step_key_refuses_bad_parts(saga: str, step: str) -> None:
     """A step with ':' or spaces, an empty step or an invalid saga id raises InvalidKeyError."""
     with pytest.raises(InvalidKeyError):
         step_key(saga, step)
+
+
+@given(
+    st.one_of(st.from_regex(r"[!-~]{1,255}", fullmatch=True), st.text(), st.integers(), st.none()),
+    st.text(),
+    st.text(),
+)
+def test_scope_of_builds_the_scope_scope_of_would(
+    key: object, operation: str, principal: str
+) -> None:
+    """`scope_of` (the guard's fast way to its scope) gives `Scope.of`'s scope, frozen and
+    hashed alike, or raises its error for a key it refuses."""
+    import dataclasses
+
+    try:
+        made = Scope.of(key, operation=operation, principal=principal)  # type: ignore[arg-type]
+    except InvalidKeyError as refused:
+        with pytest.raises(InvalidKeyError, match=re.escape(str(refused))):
+            scope_of(key, operation, principal)
+        return
+    built = scope_of(key, operation, principal)
+    assert type(built) is Scope
+    assert (built, hash(built), repr(built)) == (made, hash(made), repr(made))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.key = "other"  # type: ignore[misc]

@@ -201,3 +201,29 @@ def test_a_client_side_cache_keeps_redis_pys_own_path(redis_url: str) -> None:
         assert store._lane is None
     finally:
         store.close()
+
+
+COMMANDS = [
+    ("SET", "idempo:{ab12}", b"i\x00d" * 50, "NX", "GET", "PX", 86_430_000),
+    ("EVALSHA", "0" * 40, 1, "p:{é}", "", 30_000_000, b"\x00\xff", -1),
+]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "UTF8", "latin-1"])
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_lane_packs_a_command_as_redis_py_would(encoding: str, face: str) -> None:
+    """The lane packs its commands itself (hiredis's packer where the client's encoding is
+    UTF-8, else each argument through the client's encoder): byte for byte redis-py's."""
+    import hiredis
+
+    from idempo.stores.redis._lane import _packed, packer
+
+    kind = redis.Redis if face == "sync" else redis.asyncio.Redis
+    client = kind(encoding=encoding)  # never connects
+    conn = client.connection_pool.make_connection()
+    pack = packer(client.get_encoder())
+    for command in COMMANDS:
+        expected = b"".join(conn.pack_command(*command))
+        assert pack(command) == expected
+        assert _packed(client.get_encoder().encode, command) == expected
+    assert (pack is hiredis.pack_command) == (encoding != "latin-1")

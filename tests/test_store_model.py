@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 )
 
 from idempo import FencedError, Scope, Status
-from idempo._core.record import Acquired, InProgress, Mismatch, Replay
+from idempo._core.record import Acquired, InProgress, Mismatch, Record, Replay, decoded
 from model.backends import Backend
 from model.reference import Acquire, ReferenceStore
 
@@ -275,3 +275,36 @@ def test_store_answers_as_the_model_says(backend: Backend) -> None:
             print_blob=True,
         ),
     )
+
+
+_TIMES = st.datetimes(timezones=st.just(UTC))
+
+
+@given(
+    st.tuples(
+        st.builds(Scope, st.text(), st.text(), st.text()),
+        st.text(),
+        st.sampled_from(Status),
+        st.integers(),
+        st.none() | _TIMES,
+        st.none() | st.binary(),
+        _TIMES,
+        _TIMES,
+        _TIMES,
+        st.none() | st.text(),
+    )
+)
+def test_a_decoded_record_is_the_record_its_fields_make(fields: tuple[Any, ...]) -> None:
+    """`decoded` (a store's fast way to build the record it read) gives what `Record` does:
+    equal, hashed alike, the same repr and fields, as frozen."""
+    import dataclasses
+
+    built, made = decoded(*fields), Record(*fields)
+    assert type(built) is Record
+    assert built == made
+    assert hash(built) == hash(made)
+    assert repr(built) == repr(made)
+    assert dataclasses.astuple(built) == dataclasses.astuple(made)
+    assert dataclasses.replace(built, token=0) == dataclasses.replace(made, token=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.token = 0  # type: ignore[misc]

@@ -60,7 +60,7 @@ from ._core.flow import (
     performer,
     pump,
 )
-from ._core.keys import Scope, derive_key, evict_hint
+from ._core.keys import Scope, derive_key, evict_hint, scope_of
 from ._core.observed import AsyncObserved, Observed
 from ._core.progress import NO_PROGRESS, Progress
 from ._core.record import Record, Status
@@ -771,6 +771,11 @@ def _plain_parameters(signature: inspect.Signature) -> _Plain | None:
     return _Plain(names, rest, positional, frozenset(names))
 
 
+# What `_Decorated.resolve` gives: key, operation, payload, principal, conn, codec and
+# renew_every, as `_Guard._begun` takes them.
+Resolved = tuple[Any, str, Any, str, Any, Codec, float | timedelta | None]
+
+
 class _Decorated:
     """How a decorated function's arguments give key, payload, principal and connection."""
 
@@ -841,7 +846,8 @@ class _Decorated:
             )
         return made[1]
 
-    def resolve(self, args: Any, kwargs: Any, policy: Policy) -> dict[str, Any]:
+    def resolve(self, args: Any, kwargs: Any, policy: Policy) -> Resolved:
+        """The call's `_Guard._begun` arguments, in order, up to its mode."""
         named = self.arguments(args, kwargs)
         key = named[self.key] if isinstance(self.key, str) else self.key(*args, **kwargs)
         if self.payload is not None:
@@ -853,15 +859,8 @@ class _Decorated:
         principal = (
             self.principal if isinstance(self.principal, str) else self.principal(*args, **kwargs)
         )
-        return {
-            "key": key,
-            "operation": self.operation,
-            "payload": payload,
-            "principal": principal,
-            "conn": named[self.conn] if self.conn else None,
-            "codec": self.codec(policy),
-            "renew_every": self.renew_every,
-        }
+        conn = named[self.conn] if self.conn else None
+        return key, self.operation, payload, principal, conn, self.codec(policy), self.renew_every
 
 
 OnceT = TypeVar("OnceT", bound=_Pending[Any])
@@ -991,12 +990,33 @@ class _Guard(Generic[OnceT, BegunT]):
             ReplayedFailureError: the first execution failed deterministically.
             FencedError: (on leaving the block) the lease was lost to another attempt.
         """
-        scope = Scope.of(key, operation=operation, principal=principal)
-        unit = self._unit(conn, mode)
         codec = codec or FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
+        return self._begun(
+            key, operation, payload, principal, conn, codec, renew_every, mode, surface
+        )
+
+    def _begun(
+        self,
+        key: str,
+        operation: str,
+        payload: Any,
+        principal: str,
+        conn: Any,
+        codec: Codec,
+        renew_every: float | timedelta | None,
+        mode: Mode,
+        surface: Surface = "function",
+    ) -> OnceT:
+        """`once`, its arguments given in order (a decorated function's calls: keywords cost
+        them more than the rest of this)."""
+        scope = scope_of(key, operation, principal)
+        unit = self._unit(conn, mode)
         if self.encryption is not None:
             codec = SealedCodec(codec, self.encryption, scope)  # sealed for this scope only
-        every = self._renewal_period(renew_every, held=conn is not None and mode == "transactional")
+        every = None
+        if renew_every is not None:
+            held = conn is not None and mode == "transactional"
+            every = self._renewal_period(renew_every, held=held)
         return self._once(unit, scope, payload, self.policy, codec, every, self, surface)
 
     def begin(
@@ -1186,7 +1206,7 @@ class Idempotency(_Guard[_Once[Any], Handle[Any]]):
 
     def _wrap(self, func: Callable[P, R], spec: _Decorated, mode: Mode) -> Callable[P, R]:
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with self.once(**spec.resolve(args, kwargs, self.policy), mode=mode) as attempt:
+            with self._begun(*spec.resolve(args, kwargs, self.policy), mode) as attempt:
                 if not attempt.replayed:
                     attempt.result = func(*args, **kwargs)
             result: R = attempt.result
@@ -1242,7 +1262,7 @@ class AsyncIdempotency(_Guard[_AsyncOnce[Any], Coroutine[Any, Any, AsyncHandle[A
         self, func: Callable[P, Awaitable[R]], spec: _Decorated, mode: Mode
     ) -> Callable[P, Coroutine[Any, Any, R]]:
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with self.once(**spec.resolve(args, kwargs, self.policy), mode=mode) as attempt:
+            async with self._begun(*spec.resolve(args, kwargs, self.policy), mode) as attempt:
                 if not attempt.replayed:
                     attempt.result = await func(*args, **kwargs)
             result: R = attempt.result

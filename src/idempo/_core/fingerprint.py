@@ -63,7 +63,13 @@ def _is_plain(value: Any) -> bool:
             if type(key) is not str or not (key.isascii() or max(key) < "\U00010000"):
                 return False
             # Scalars are checked here, not in a call each: most members of a body are.
-            if type(item) not in _PLAIN_SCALARS and not _is_plain(item):
+            member = type(item)
+            if member in _PLAIN_SCALARS:
+                continue
+            if member is int:
+                if not -_SAFE_INTEGER <= item <= _SAFE_INTEGER:
+                    return False
+            elif not _is_plain(item):
                 return False
         return True
     if kind is list:

@@ -253,14 +253,14 @@ def _reserve(
     # The policy's bound goes with every reservation: a store's own connection meets the
     # row lock of a transactional holder too, and has no other way to learn it.
     lock_timeout = policy.lock_timeout
+    clock = policy.clock  # `policy.now()`, inlined: a call less on every reservation
     while True:
         if elapsed is not None and wait is not None:
             # Every wait counts against the caller's, row-lock waits included: a
             # reservation waits on a lock no longer than what is left.
             lock_timeout = min(max(wait - elapsed(), timedelta(0)), policy.lock_timeout)
-        reservation = yield Reserve(
-            scope, fingerprint, policy.now(), policy.lease, policy.ttl, lock_timeout
-        )
+        now = None if clock is None else clock()
+        reservation = yield Reserve(scope, fingerprint, now, policy.lease, policy.ttl, lock_timeout)
         # isinstance tests, not a match on class patterns: this runs on every call.
         if isinstance(reservation, Acquired):
             return reservation
@@ -386,6 +386,14 @@ class AsyncStoreVerbs(Verbs):
 
     async def discard(self) -> bool:
         return False
+
+    @property
+    def undoes_cancelled_reserve(self) -> bool:
+        """Whether the store's class promises that its ``reserve``, cancelled under way,
+        leaves nothing held once it has raised (it undoes what it may have reserved first):
+        `apump` then awaits it with no task of its own. Read from the class: a wrapper that
+        forwards attributes to such a store (a cache, a test's gate) promises nothing."""
+        return getattr(type(self.target), "undoes_cancelled_reserve", False) is True
 
 
 def performer(target: Any, direct: type[Verbs] = Verbs) -> Performer:
@@ -583,6 +591,14 @@ async def _ended(task: asyncio.Future[Any], deadline: float) -> bool:
     return True
 
 
+async def outlast(task: asyncio.Future[Any]) -> None:
+    """Wait for ``task``, a store's own cleanup started as its caller was cancelled, however
+    often the caller is cancelled meanwhile, `CLEANUP_TIMEOUT` at most (it then goes on
+    alone); the caller raises its cancellation next."""
+    with _shielded():
+        await _ended(task, task.get_loop().time() + CLEANUP_TIMEOUT)
+
+
 async def outlasting(awaitable: Awaitable[Any]) -> Any:
     """One store operation outside the flow (a renewal), run as the flow runs its own: to
     its end however the caller is cancelled meanwhile (bounded), then the cancellation."""
@@ -619,11 +635,18 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
     into the flow where it can act on it (the work about to start, a wait about to begin):
     the flow releases the key, then the cancellation propagates. The flow's StopIteration is
     caught here: one that escaped a coroutine would turn into a RuntimeError (PEP 479).
+
+    A reservation is the one operation that may be cut short instead, on a store that
+    undoes a cancelled reserve itself (`AsyncStoreVerbs.undoes_cancelled_reserve`): it is
+    awaited in the caller's task, and its cancellation reaches the flow once nothing is held.
+    The guard's other operations settle what a reservation took, and no store can undo
+    those: they stay shielded.
     """
     # Made when first needed (an operation that may suspend): most calls never hold one.
     held = _NOTHING_HELD if cancelled is None else _Cancellation(cancelled)
     perform = unit.perform
     discards = getattr(unit, "discards", True)
+    undoes = getattr(unit, "undoes_cancelled_reserve", False)
     try:
         while held.error is not None or not isinstance(op, Execute):
             if held.error is not None and isinstance(op, Execute | Sleep):
@@ -640,7 +663,9 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
                     done = perform(op)  # type: ignore[arg-type] # never Execute
                     # `_Cancellation.complete`'s first test, inlined: most verbs (the memory
                     # store's) cannot suspend, and run here in one step.
-                    if _SUSPENDS.get(getattr(done, "cr_code", None)) is False:
+                    if _SUSPENDS.get(getattr(done, "cr_code", None)) is False or (
+                        undoes and held.error is None and isinstance(op, Reserve)
+                    ):
                         result = await done
                     else:
                         if held is _NOTHING_HELD:

@@ -13,6 +13,7 @@ import redis.asyncio.cluster
 import redis.asyncio.retry
 import redis.exceptions
 
+from ..._core.flow import outlast
 from ..._core.keys import Scope
 from ..._core.record import Record, Reservation, Status
 from ...errors import StoreUnavailableError
@@ -44,9 +45,16 @@ class AsyncRedisStore:
 
     A reserve whose answer never came (the caller was cancelled, or the connection failed
     after sending it) may have reserved all the same, with no one left to settle it: the store
-    undoes it in the background, by the reservation's nonce, so the key is not held for a
-    lease. `aclose` waits for those undos.
+    undoes it by the reservation's nonce, so the key is not held for a lease. A cancelled
+    reserve waits for its undo (shielded, and bounded as the guard's cleanup is) before the
+    cancellation goes on; after a connection failure the undo runs in the background. `aclose`
+    waits for those undos.
     """
+
+    # What the above promises the guard: a reserve cancelled under way leaves nothing held
+    # once it has raised, so the flow awaits it in the caller's task (`_core.flow.apump`),
+    # with no task of its own to shield it.
+    undoes_cancelled_reserve = True
 
     def __init__(
         self,
@@ -81,7 +89,9 @@ class AsyncRedisStore:
                 try:
                     reply = await self._start(call)
                 except asyncio.CancelledError:
-                    self._undo(call)
+                    undoing = self._undo(call)
+                    if undoing is not None:
+                        await outlast(undoing)
                     raise
                 except ERRORS as exc:
                     if isinstance(call, Command) and call.errors and wrong_type(exc):
@@ -142,16 +152,18 @@ class AsyncRedisStore:
             await self.client.initialize()  # once; concurrent callers wait on redis-py's lock
         self._cold = False
 
-    def _undo(self, call: Call) -> None:
-        """Undo in the background what ``call`` may have done with no one left to hear its
-        reply (the caller is being cancelled or has failed already). redis-py closed the
-        connection, so no pooled connection holds the reply."""
+    def _undo(self, call: Call) -> asyncio.Task[None] | None:
+        """Undo in a task of its own what ``call`` may have done with no one left to hear
+        its reply (the caller is being cancelled or has failed already); the task, or None
+        when there is nothing to undo. redis-py closed the connection, so no pooled
+        connection holds the reply."""
         undo = _ops.undo(call)
         if undo is None:
-            return
+            return None
         task = asyncio.get_running_loop().create_task(self._best_effort(undo))
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
+        return task
 
     async def _best_effort(self, call: Call) -> None:
         # If Redis cannot be reached now, the reservation's lease ends it.

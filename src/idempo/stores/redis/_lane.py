@@ -5,7 +5,9 @@ connection out of the pool and back in (about 60 k instructions in redis-py 8: a
 readiness poll, connection-count metrics), wraps the call in observability timing and
 response callbacks, and only then sends it (about 40 k). A fresh guarded call makes two such
 commands. `Lane` keeps the connections it has used in a list of its own between calls, so
-a command costs the sending and the reading and the client's retry, nothing more.
+a command costs the sending and the reading and the client's retry, nothing more. It packs
+the command itself too: redis-py's packer encodes each argument through a Python call or two
+(a replay's ``SET NX GET`` has seven), where hiredis's ``pack_command`` takes them all in C.
 
 It is used for the store's own client only (built from the URL). An app's client is used as
 the app set it up: its pool may be bounded and shared, and its commands may be instrumented
@@ -15,12 +17,45 @@ client.
 
 from __future__ import annotations
 
+import codecs
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import redis
 import redis.asyncio
 import redis.exceptions
+
+Packer = Callable[[tuple[Any, ...]], bytes]
+
+
+def _hiredis_pack() -> Packer | None:
+    try:
+        from hiredis import pack_command  # noqa: PLC0415 - optional: redis-py's is too
+    except ImportError:  # pragma: no cover - the redis extra installs hiredis
+        return None
+    return pack_command
+
+
+def packer(encoder: Any) -> Packer:
+    """How a lane packs a command (a tuple of str, bytes and int, its name one word) into
+    the bytes redis-py's own packer would give, with the client's ``encoder``: hiredis's,
+    which encodes a str as UTF-8 (strict), when that is the client's encoding; else every
+    argument through the encoder, as redis-py does."""
+    pack = _hiredis_pack()
+    utf8 = codecs.lookup(encoder.encoding).name == "utf-8"
+    if pack is not None and utf8 and encoder.encoding_errors == "strict":
+        return pack
+    return functools.partial(_packed, encoder.encode)
+
+
+def _packed(encode: Callable[[Any], bytes], args: tuple[Any, ...]) -> bytes:
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        item = encode(arg)
+        parts.append(b"$%d\r\n%b\r\n" % (len(item), item))
+    return b"".join(parts)
 
 
 class _Kept:
@@ -28,6 +63,7 @@ class _Kept:
 
     def __init__(self, client: Any) -> None:
         self._pool = client.connection_pool
+        self._pack = packer(client.get_encoder())
         # Taken with pop() and given back with append(), each atomic: no lock is needed.
         self._idle: list[Any] = []
         self._pid = os.getpid()
@@ -38,8 +74,10 @@ class _Kept:
             # The parent's sockets are not this process's to use or to close.
             self._idle = []
             self._pid = os.getpid()
-        idle = self._idle
-        return idle.pop() if idle else None
+        try:
+            return self._idle.pop()
+        except IndexError:  # none kept (another thread may have taken the last one just now)
+            return None
 
 
 class Lane(_Kept):
@@ -57,10 +95,11 @@ class Lane(_Kept):
         conn = self._kept()
         if conn is None:
             conn = self._pool.get_connection()
+        # Partials, not lambdas: no closure cells, and no Python frame between the retry
+        # and the send.
+        send = functools.partial(_send, conn, self._pack(args))
         try:
-            return conn.retry.call_with_retry(
-                lambda: _send(conn, args), lambda _error: conn.disconnect()
-            )
+            return conn.retry.call_with_retry(send, functools.partial(_drop, conn))
         except redis.exceptions.ResponseError:
             raise  # Redis answered: the connection is in step
         except BaseException:
@@ -88,10 +127,9 @@ class AsyncLane(_Kept):
         conn = self._kept()
         if conn is None:
             conn = await self._pool.get_connection()
+        send = functools.partial(_asend, conn, self._pack(args))
         try:
-            return await conn.retry.call_with_retry(
-                lambda: _asend(conn, args), lambda _error: conn.disconnect()
-            )
+            return await conn.retry.call_with_retry(send, functools.partial(_drop, conn))
         finally:
             self._idle.append(conn)
 
@@ -101,13 +139,18 @@ class AsyncLane(_Kept):
             await self._pool.release(self._idle.pop())
 
 
-def _send(conn: Any, args: tuple[Any, ...]) -> Any:
-    conn.send_command(*args)
+def _drop(conn: Any, _error: BaseException) -> Any:
+    """What the retry does on a broken connection: it connects again when next used."""
+    return conn.disconnect()
+
+
+def _send(conn: Any, packed: bytes) -> Any:
+    conn.send_packed_command((packed,))  # the sync face sends each item of what it is given
     return conn.read_response()
 
 
-async def _asend(conn: Any, args: tuple[Any, ...]) -> Any:
-    await conn.send_command(*args)
+async def _asend(conn: Any, packed: bytes) -> Any:
+    await conn.send_packed_command(packed)
     return await conn.read_response()
 
 

@@ -16,6 +16,7 @@ more pipeline after the write), which `purge` reads instead of scanning the keys
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -75,11 +76,14 @@ class Command:
 @dataclass(slots=True)
 class Batch:
     """Several runs or commands sent together (a pipeline, no transaction); the replies in
-    order. With ``raise_on_error`` off, a command's error is its reply."""
+    order. With ``raise_on_error`` off, a command's error is its reply. ``reserves``: the
+    reservation taken just before (a listing in ``expiring``), which `undo` releases for a
+    caller that never heard the reply."""
 
     calls: list[Run | Command]
     raise_on_error: bool = True
     scope: Scope | None = None
+    reserves: tuple[str, bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -119,7 +123,7 @@ def reserve(
         clock.anchor(reply, sent, clock.ticks())
         token = clock.token()
         assert token is not None
-    nonce = _protocol.new_nonce()
+    nonce = os.urandom(8)
     names = _protocol.named(keys.prefix, scope)
     key = names[0]
     value, px = keys.fresh(names, fingerprint, token, nonce, now, lease, ttl)
@@ -132,9 +136,9 @@ def reserve(
     existing = yield Command("execute_command", command, _SET_GET, scope, True, reserves)
     if existing is None:
         if now is not None:
-            yield _expiring(keys, scope, _due(now, lease + ttl), px)
+            yield _expiring(keys, scope, _due(now, lease + ttl), px, reserves)
         return Acquired(token=token)
-    if not _protocol.wrong_type(existing):
+    if not isinstance(existing, Exception) or not _protocol.wrong_type(existing):
         verdict = _protocol.found(existing, scope, fingerprint, now, nonce)
         if verdict is not None:
             return verdict
@@ -142,7 +146,7 @@ def reserve(
     reply = yield Run(RESERVE, [key], args, scope, reserves)
     verdict = _protocol.reservation(reply, scope, fingerprint, now)
     if now is not None and isinstance(verdict, Acquired):
-        yield _expiring(keys, scope, _due(now, lease + ttl), px)
+        yield _expiring(keys, scope, _due(now, lease + ttl), px, reserves)
     return verdict
 
 
@@ -150,13 +154,15 @@ def _due(now: datetime, span: timedelta) -> int:
     return _protocol.us(now + span)
 
 
-def _expiring(keys: Keys, scope: Scope, due: int, px: int) -> Batch:
+def _expiring(
+    keys: Keys, scope: Scope, due: int, px: int, reserves: tuple[str, bytes] | None = None
+) -> Batch:
     """List a record on a given clock in ``expiring``, by when it may be purged (µs)."""
     calls: list[Run | Command] = [
         Command(name, args, options)
         for name, args, options in keys.listing(keys.digest(scope), due, px)
     ]
-    return Batch(calls, scope=scope)
+    return Batch(calls, scope=scope, reserves=reserves)
 
 
 def _listed_until(
@@ -170,10 +176,11 @@ def _listed_until(
 
 def undo(call: Call) -> Run | None:
     """What undoes whatever ``call`` may have done, for a caller that never heard its reply
-    (cancelled, or the connection failed): a reservation, released by its nonce; None for a
-    call that leaves nothing to undo (a settle or a renewal is fenced, a release repeatable).
+    (cancelled, or the connection failed): a reservation, released by its nonce (after a
+    reservation taken, its listing's call undoes it too); None for a call that leaves nothing
+    to undo (a settle or a renewal is fenced, a release repeatable).
     """
-    reserves = call.reserves if isinstance(call, Run | Command) else None
+    reserves = call.reserves if isinstance(call, Run | Command | Batch) else None
     if reserves is None:
         return None
     key, nonce = reserves
