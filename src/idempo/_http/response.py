@@ -36,13 +36,21 @@ _NOT_REPLAYED = _NOT_SHAREABLE | {REPLAYED_HEADER}
 _STORED_FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class HttpResponse:
     """A whole response: status, headers as sent, body bytes."""
 
     status: int
     headers: tuple[Header, ...] = ()
     body: bytes = b""
+
+    def __init__(self, status: int, headers: tuple[Header, ...] = (), body: bytes = b"") -> None:
+        # The generated __init__ of a frozen dataclass sets each field through
+        # object.__setattr__, which costs about twice what setting it through its slot
+        # does; every request makes one or two of these (a replay, a captured response).
+        _set_status(self, status)
+        _set_headers(self, headers)
+        _set_body(self, body)
 
     def shareable(self) -> HttpResponse:
         """This response without hop-by-hop fields and ``Set-Cookie``: what may be stored and
@@ -61,6 +69,12 @@ class HttpResponse:
         headers = _kept(self.headers, _NOT_REPLAYED)
         status = 200 if status_200 and 200 <= self.status < 300 else self.status
         return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), self.body)
+
+
+# The fields' slots (what the frozen instance's own __setattr__ refuses to set).
+_set_status = HttpResponse.__dict__["status"].__set__
+_set_headers = HttpResponse.__dict__["headers"].__set__
+_set_body = HttpResponse.__dict__["body"].__set__
 
 
 def _kept(headers: tuple[Header, ...], dropped: frozenset[bytes]) -> tuple[Header, ...]:
