@@ -456,8 +456,8 @@ def reserve(
     attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
         stack.close()
-        stored: HttpResponse = attempt.result
-        return stored.replay(status_200=lifecycle.settings.replay_status_200)
+        replay: HttpResponse = attempt.result  # the answer itself (`HttpSettings.codec`)
+        return replay
     return Run(lifecycle, handle, conn, stack)
 
 
@@ -560,8 +560,8 @@ async def areserve(
         return Unguarded(request.body) if refusal is None else refusal
     attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
-        stored: HttpResponse = attempt.result
-        return stored.replay(status_200=lifecycle.settings.replay_status_200)
+        replay: HttpResponse = attempt.result  # the answer itself (`HttpSettings.codec`)
+        return replay
     return AsyncRun(lifecycle, handle, conn)
 
 
