@@ -405,7 +405,8 @@ class Lifecycle:
             operation = self.operation(request)
             if operation is None:
                 operation = f"{method} {stored_text(path)}"
-        return self.idempotency.begin(
+        # `Idempotency.begin` is this `once` begun: called so, its arguments are passed once.
+        return self.idempotency.once(
             key,
             operation=operation,
             payload=canonical_parts(
@@ -423,7 +424,7 @@ class Lifecycle:
             mode=settings.mode,
             codec=settings.codec,
             surface="http",
-        )
+        )._begin()
 
 
 # --- the sync face ------------------------------------------------------------------------
