@@ -48,6 +48,9 @@ class HttpCodec:
     not execute again), or None (the app sent no whole response: the key is released).
     Exceptions release the key. ``redact``, when given, makes what is stored of a response
     (`Redactor`); a ``Content-Length`` it leaves behind is set to the body it returns.
+    With ``replays``, `decode` gives the answer to a duplicate, `HttpResponse.replay` (with
+    ``status_200``), rather than the stored response: what the middlewares send as it is,
+    made without the stored response in between.
 
     >>> from idempo.http import redact_headers
     >>> codec = HttpCodec(redact=redact_headers("x-api-key"))
@@ -57,8 +60,6 @@ class HttpCodec:
 
     classify: Classifier = field(default=classify_status)
     redact: Redactor | None = None
-    # For the middlewares: `decode` answers the replay (`HttpResponse.replay`, with
-    # ``status_200``) rather than the stored response, sparing a response made in between.
     replays: bool = False
     status_200: bool = False
 
