@@ -33,6 +33,10 @@ class HttpRequest:
     body: bytes
 
 
+# The JSON strings of the methods idempo guards by default, as `_ascii_string` writes them.
+_METHODS = {method: f'"{method}"' for method in ("POST", "PATCH", "PUT", "DELETE")}
+
+
 def _is_json(content_type: bytes) -> bool:
     media = content_type.split(b";", 1)[0].strip().lower()
     return media == b"application/json" or (
@@ -196,12 +200,17 @@ def canonical_parts(
         # The usual fingerprint, written at once: the same bytes as the document below (a
         # hex digest needs no escaping), as the fingerprint tests check.
         body = _canonical_body(request_body, b", ".join(content_type or ()))
-        # A query of one pair or none (the usual) is in order as it is: no call to sort it.
-        pairs = canonical_pairs(query) if b"&" in query else query
+        # The usual method and an empty query are written without a call; a query of one
+        # pair is in order as it is, with no call to sort it.
+        if query:
+            pairs = canonical_pairs(query) if b"&" in query else query
+            query_text = _ascii_string(pairs.decode("latin-1"))
+        else:
+            query_text = '""'
         return (
             f'{{"body":"{hashlib.sha256(body).hexdigest()}"'
-            f',"method":{_ascii_string(method.upper())},"path":{_ascii_string(path)}'
-            f',"query":{_ascii_string(pairs.decode("latin-1"))},"v":1}}'
+            f',"method":{_METHODS.get(method) or _ascii_string(method.upper())}'
+            f',"path":{_ascii_string(path)},"query":{query_text},"v":1}}'
         ).encode()
     parts: dict[str, Any] = {}
     # Filled in sort_keys order: body, headers, method, path, query, v.
