@@ -272,6 +272,26 @@ def test_codec_stores_replays_and_releases() -> None:
         codec.decode(_record(None))
 
 
+@pytest.mark.parametrize("status_200", [False, True])
+@pytest.mark.parametrize(
+    "data",
+    [
+        # Decoded without JSON (plain header bytes), and through JSON (an escaped quote, a
+        # Latin-1 byte, an Idempotent-Replayed and a hop-by-hop field stored by a redactor).
+        b'{"v":1,"status":201,"headers":[["x","1"]]}\nbody',
+        b'{"v":1,"status":202,"headers":[["x","\\"\\u00e9"],["idempotent-replayed","no"],'
+        b'["connection","close"]]}\nbody',
+        b'{"v":1,"status":404,"headers":[]}\n',
+    ],
+)
+def test_replaying_codec_decodes_the_replay_itself(data: bytes, status_200: bool) -> None:
+    """The middlewares' codec (``replays=True``) decodes a record into what
+    `HttpResponse.replay` makes of the stored response, without the stored one between."""
+    codec = HttpCodec(replays=True, status_200=status_200)
+    stored = HttpCodec().decode(_record(data))
+    assert codec.decode(_record(data)) == stored.replay(status_200=status_200)
+
+
 @pytest.mark.parametrize(
     ("error", "status", "kind", "retry_after"),
     [

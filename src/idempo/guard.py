@@ -195,6 +195,10 @@ class Attempt(Generic[T]):
     result: T
     # Set on the instance only by `do_not_store`: the hot path never writes it.
     _unkept = False
+    # The call that executes this attempt (None on a replay): it renews and records steps.
+    # Set by that call; like `_lost` (a refused renewal), a default on the class until then.
+    _handle: _Pending[Any] | None = None
+    _lost: FencedError | None = None
 
     def __init__(
         self,
@@ -210,9 +214,6 @@ class Attempt(Generic[T]):
         self.result = result
         self.token = token
         self._progress = NO_PROGRESS if recovery_point is None else Progress.decode(recovery_point)
-        # The call that executes this attempt (None on a replay): it renews and records steps.
-        self._handle: _Pending[Any] | None = None
-        self._lost: FencedError | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.scope.key!r} replayed={self.replayed}>"
@@ -382,6 +383,9 @@ class _Pending(Generic[T]):
     _run: Execute  # once the work runs: its recovery point is kept current for the flow
     # Set only when someone observes the guard (`idempo.events`): the unit is then observed.
     _observed: Observed | None = None
+    # Until the work runs (a replay never sets them): defaults on the class, not per call.
+    _token = 0
+    _renewal: Any = None
 
     def __init__(
         self,
@@ -408,8 +412,6 @@ class _Pending(Generic[T]):
         self._codec = codec
         self._every = renew_every
         self._flow: Flow | None = guarded_call(scope, fingerprint(payload), policy, codec)
-        self._token = 0
-        self._renewal: Any = None
 
     def _started(self, step: Execute | Done) -> Any:
         """The attempt the work runs with (renewed, if asked), or the replay the flow found."""

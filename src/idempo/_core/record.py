@@ -29,7 +29,12 @@ class Status(StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, slots=True)
+# Records and verdicts are made on every guarded call (a SQL or Redis store makes a Record
+# of each row it reads): their __init__s set the fields through the slots, since a frozen
+# dataclass's generated one goes through object.__setattr__ for each, about twice the cost.
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Record:
     """Everything a store keeps about one scope."""
 
@@ -44,12 +49,36 @@ class Record:
     expires_at: datetime
     recovery_point: str | None = None
 
+    def __init__(
+        self,
+        scope: Scope,
+        fingerprint: str,
+        status: Status,
+        token: int,
+        lease_expires_at: datetime | None,
+        response: bytes | None,
+        created_at: datetime,
+        updated_at: datetime,
+        expires_at: datetime,
+        recovery_point: str | None = None,
+    ) -> None:
+        _scope(self, scope)
+        _fp(self, fingerprint)
+        _status(self, status)
+        _token(self, token)
+        _lease(self, lease_expires_at)
+        _response(self, response)
+        _created(self, created_at)
+        _updated(self, updated_at)
+        _expires(self, expires_at)
+        _point(self, recovery_point)
 
-# A store builds a Record from what it read on every replay. `Record(...)` goes through
-# type.__call__ and the frozen __init__'s object.__setattr__ for each field: about 7 k
-# instructions of the 18 k a record costs (CPython 3.11, callgrind). `decoded` fills the
-# slots directly. The record is the same: Record has no __post_init__ and checks nothing.
-# (Unpacking fails at import if a field is added or removed without this line.)
+
+# The fields' slots, which Record's __init__ and `decoded` fill. A store builds a Record from
+# what it read on every replay, and `decoded` skips type.__call__ too (about 1 k instructions
+# more of the 11 k a record built through __init__ costs, CPython 3.11, callgrind). The record
+# is the same: Record has no __post_init__ and checks nothing. (Unpacking fails at import if
+# a field is added or removed without this line.)
 _new = object.__new__
 _scope, _fp, _status, _token, _lease, _response, _created, _updated, _expires, _point = (
     Record.__dict__[name].__set__ for name in Record.__slots__
@@ -105,11 +134,17 @@ class Acquired:
     taken_over: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Replay:
     """A completed or failed record with the same fingerprint: answer with its response."""
 
     record: Record
+
+    def __init__(self, record: Record) -> None:
+        _set_replayed(self, record)
+
+
+_set_replayed = Replay.__dict__["record"].__set__
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from ..encryption import refuse_sealed
 from ..errors import CorruptRecordError
 from .problems import problem
 from .redact import with_length
-from .response import HttpResponse, UnkeptResponse, decode_response, encode_response
+from .response import HttpResponse, UnkeptResponse, decoded, encode_response
 
 Classifier = Callable[[int], Status | None]
 """Decides what a response status means: COMPLETED or FAILED (stored and replayed), or None
@@ -48,6 +48,9 @@ class HttpCodec:
     not execute again), or None (the app sent no whole response: the key is released).
     Exceptions release the key. ``redact``, when given, makes what is stored of a response
     (`Redactor`); a ``Content-Length`` it leaves behind is set to the body it returns.
+    With ``replays``, `decode` gives the answer to a duplicate, `HttpResponse.replay` (with
+    ``status_200``), rather than the stored response: what the middlewares send as it is,
+    made without the stored response in between.
 
     >>> from idempo.http import redact_headers
     >>> codec = HttpCodec(redact=redact_headers("x-api-key"))
@@ -57,6 +60,8 @@ class HttpCodec:
 
     classify: Classifier = field(default=classify_status)
     redact: Redactor | None = None
+    replays: bool = False
+    status_200: bool = False
 
     def encode_result(self, value: Any) -> tuple[Status | None, bytes]:
         if isinstance(value, HttpResponse):
@@ -89,7 +94,7 @@ class HttpCodec:
         try:
             if record.response is None:
                 raise CorruptRecordError("the record holds no response to replay")
-            return decode_response(record.response)
+            return decoded(record.response, self.status_200 if self.replays else None)
         except CorruptRecordError as exc:
             # Sealed bytes never parse (they start with a NUL), so a guard with no key ring
             # learns why here, at no cost to the replays that do parse.

@@ -31,12 +31,16 @@ def headers_named(headers: Iterable[Header], names: Collection[bytes]) -> dict[b
     """
     found: dict[bytes, list[bytes]] = {}
     for name, value in headers:
-        lowered = name.lower()
-        if lowered in names:
-            if lowered in found:
-                found[lowered].append(value)
-            else:
-                found[lowered] = [value]
+        # Servers lowercase names as a rule (ASGI's do): a name found as it is needs no
+        # lower(), and only another spelling, or a name not read at all, pays for it.
+        if name not in names:
+            name = name.lower()  # noqa: PLW2901 - the name as the lookups spell it
+            if name not in names:
+                continue
+        if name in found:
+            found[name].append(value)
+        else:
+            found[name] = [value]
     return found
 
 

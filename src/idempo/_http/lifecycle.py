@@ -405,7 +405,8 @@ class Lifecycle:
             operation = self.operation(request)
             if operation is None:
                 operation = f"{method} {stored_text(path)}"
-        return self.idempotency.begin(
+        # `Idempotency.begin` is this `once` begun: called so, its arguments are passed once.
+        return self.idempotency.once(
             key,
             operation=operation,
             payload=canonical_parts(
@@ -423,7 +424,7 @@ class Lifecycle:
             mode=settings.mode,
             codec=settings.codec,
             surface="http",
-        )
+        )._begin()
 
 
 # --- the sync face ------------------------------------------------------------------------
@@ -456,8 +457,8 @@ def reserve(
     attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
         stack.close()
-        stored: HttpResponse = attempt.result
-        return stored.replay(status_200=lifecycle.settings.replay_status_200)
+        replay: HttpResponse = attempt.result  # the answer itself (`HttpSettings.codec`)
+        return replay
     return Run(lifecycle, handle, conn, stack)
 
 
@@ -560,8 +561,8 @@ async def areserve(
         return Unguarded(request.body) if refusal is None else refusal
     attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
-        stored: HttpResponse = attempt.result
-        return stored.replay(status_200=lifecycle.settings.replay_status_200)
+        replay: HttpResponse = attempt.result  # the answer itself (`HttpSettings.codec`)
+        return replay
     return AsyncRun(lifecycle, handle, conn)
 
 

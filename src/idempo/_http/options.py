@@ -214,7 +214,13 @@ class HttpSettings:
         self.fingerprint_headers = tuple(name.lower() for name in get("fingerprint_headers", ()))
         self.replay_status_200: bool = get("replay_status_200", False)
         self.fail_open: bool = get("fail_open", False)
-        self.codec = HttpCodec(get("classify", classify_status), get("redact"))
+        # Its replays are the answers themselves (`Lifecycle`'s faces send them as they are).
+        self.codec = HttpCodec(
+            get("classify", classify_status),
+            get("redact"),
+            replays=True,
+            status_200=self.replay_status_200,
+        )
         self.renew_every = self.idempotency.policy.lease.total_seconds() / 3
         self.mode: Mode = get("mode", "transactional")
         self.connection: Any = get("connection")

@@ -36,13 +36,21 @@ _NOT_REPLAYED = _NOT_SHAREABLE | {REPLAYED_HEADER}
 _STORED_FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class HttpResponse:
     """A whole response: status, headers as sent, body bytes."""
 
     status: int
     headers: tuple[Header, ...] = ()
     body: bytes = b""
+
+    def __init__(self, status: int, headers: tuple[Header, ...] = (), body: bytes = b"") -> None:
+        # The generated __init__ of a frozen dataclass sets each field through
+        # object.__setattr__, which costs about twice what setting it through its slot
+        # does; every request makes one or two of these (a replay, a captured response).
+        _set_status(self, status)
+        _set_headers(self, headers)
+        _set_body(self, body)
 
     def shareable(self) -> HttpResponse:
         """This response without hop-by-hop fields and ``Set-Cookie``: what may be stored and
@@ -58,9 +66,22 @@ class HttpResponse:
         Args:
             status_200: answer 200 instead of a stored 2xx status (the body stays the same).
         """
-        headers = _kept(self.headers, _NOT_REPLAYED)
-        status = 200 if status_200 and 200 <= self.status < 300 else self.status
-        return HttpResponse(status, (*headers, (REPLAYED_HEADER, b"true")), self.body)
+        return _replayed(self.status, self.headers, self.body, status_200)
+
+
+def _replayed(
+    status: int, headers: tuple[Header, ...], body: bytes, status_200: bool
+) -> HttpResponse:
+    """`HttpResponse.replay` of a response given in parts."""
+    if status_200 and 200 <= status < 300:
+        status = 200
+    return HttpResponse(status, (*_kept(headers, _NOT_REPLAYED), (REPLAYED_HEADER, b"true")), body)
+
+
+# The fields' slots (what the frozen instance's own __setattr__ refuses to set).
+_set_status = HttpResponse.__dict__["status"].__set__
+_set_headers = HttpResponse.__dict__["headers"].__set__
+_set_body = HttpResponse.__dict__["body"].__set__
 
 
 def _kept(headers: tuple[Header, ...], dropped: frozenset[bytes]) -> tuple[Header, ...]:
@@ -128,14 +149,28 @@ def decode_response(data: bytes) -> HttpResponse:
     Raises:
         CorruptRecordError: ``data`` is not a stored response of this format.
     """
+    return decoded(data, None)
+
+
+def decoded(data: bytes, replay_200: bool | None) -> HttpResponse:
+    """`decode_response` of ``data`` (``replay_200`` None), or its `HttpResponse.replay`
+    with ``status_200=replay_200``, made at once: a replay never needs the stored response
+    itself, and making it would cost about as much again."""
     head_line, newline, body = data.partition(b"\n")
     plain = _plain_head(head_line)
     if plain is not None and newline:
         # The line as `encode_response` writes it for a response whose header bytes are
         # printable ASCII without quotes or backslashes: each string's bytes are its text,
         # so they are taken as they are, without parsing JSON or encoding strings.
-        return HttpResponse(int(plain[1]), tuple(_plain_headers(plain[2])), body)
-    return _parsed(head_line, newline, body)
+        status, headers = int(plain[1]), tuple(_plain_headers(plain[2]))
+    else:
+        stored = _parsed(head_line, newline, body)
+        if replay_200 is None:
+            return stored
+        status, headers = stored.status, stored.headers
+    if replay_200 is None:
+        return HttpResponse(status, headers, body)
+    return _replayed(status, headers, body, replay_200)
 
 
 def _parsed(head_line: bytes, newline: bytes, body: bytes) -> HttpResponse:
