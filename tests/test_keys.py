@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idempo import InvalidKeyError, derive_key, step_key, validate_key
-from idempo._core.keys import DERIVE_NAMESPACE, STEP_NAMESPACE, Scope, scope_of
+from idempo._core.keys import DERIVE_NAMESPACE, STEP_NAMESPACE, Scope
 
 PRINTABLE = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
 keys = st.text(PRINTABLE, min_size=1, max_size=255)
@@ -114,21 +114,25 @@ def test_step_key_refuses_bad_parts(saga: str, step: str) -> None:
     st.text(),
     st.text(),
 )
-def test_scope_of_builds_the_scope_scope_of_would(
+def test_scope_of_validates_and_makes_a_frozen_dataclass(
     key: object, operation: str, principal: str
 ) -> None:
-    """`scope_of` (the guard's fast way to its scope) gives `Scope.of`'s scope, frozen and
-    hashed alike, or raises its error for a key it refuses."""
+    """`Scope.of` raises `validate_key`'s error for a key it refuses, else makes, through
+    Scope's own __init__ (it fills the slots, for speed), what the dataclass's would: the
+    fields, equal and hashed as their tuple, the dataclass's repr, frozen."""
     import dataclasses
 
     try:
-        made = Scope.of(key, operation=operation, principal=principal)  # type: ignore[arg-type]
+        checked = validate_key(key)  # type: ignore[arg-type]
     except InvalidKeyError as refused:
         with pytest.raises(InvalidKeyError, match=re.escape(str(refused))):
-            scope_of(key, operation, principal)
+            Scope.of(key, operation=operation, principal=principal)  # type: ignore[arg-type]
         return
-    built = scope_of(key, operation, principal)
-    assert type(built) is Scope
-    assert (built, hash(built), repr(built)) == (made, hash(made), repr(made))
+    made = Scope.of(key, operation=operation, principal=principal)  # type: ignore[arg-type]
+    fields = (principal, operation, checked)
+    assert (made.principal, made.operation, made.key) == fields
+    assert made == Scope(*fields)
+    assert hash(made) == hash(fields)
+    assert repr(made) == f"Scope(principal={principal!r}, operation={operation!r}, key={checked!r})"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        built.key = "other"  # type: ignore[misc]
+        made.key = "other"  # type: ignore[misc]

@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 )
 
 from idempo import FencedError, Scope, Status
-from idempo._core.record import Acquired, InProgress, Mismatch, Record, Replay, decoded
+from idempo._core.record import Acquired, InProgress, Mismatch, Record, Replay
 from model.backends import Backend
 from model.reference import Acquire, ReferenceStore
 
@@ -294,17 +294,18 @@ _TIMES = st.datetimes(timezones=st.just(UTC))
         st.none() | st.text(),
     )
 )
-def test_a_decoded_record_is_the_record_its_fields_make(fields: tuple[Any, ...]) -> None:
-    """`decoded` (a store's fast way to build the record it read) gives what `Record` does:
-    equal, hashed alike, the same repr and fields, as frozen."""
+def test_a_record_is_a_frozen_dataclass_of_its_fields(fields: tuple[Any, ...]) -> None:
+    """`Record`'s own __init__ (it fills the slots, for speed) makes what the dataclass's would:
+    its fields in order, equal and hashed as their tuple, the dataclass's repr, frozen."""
     import dataclasses
 
-    built, made = decoded(*fields), Record(*fields)
-    assert type(built) is Record
-    assert built == made
-    assert hash(built) == hash(made)
-    assert repr(built) == repr(made)
-    assert dataclasses.astuple(built) == dataclasses.astuple(made)
-    assert dataclasses.replace(built, token=0) == dataclasses.replace(made, token=0)
+    made = Record(*fields)
+    names = [field.name for field in dataclasses.fields(Record)]
+    assert tuple(getattr(made, name) for name in names) == fields
+    assert made == Record(*fields)
+    assert hash(made) == hash(fields)
+    shown = ", ".join(f"{name}={value!r}" for name, value in zip(names, fields, strict=True))
+    assert repr(made) == f"Record({shown})"
+    assert dataclasses.replace(made, token=0) == Record(*fields[:3], 0, *fields[4:])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        built.token = 0  # type: ignore[misc]
+        made.token = 0  # type: ignore[misc]

@@ -60,7 +60,7 @@ from ._core.flow import (
     performer,
     pump,
 )
-from ._core.keys import Scope, derive_key, evict_hint, scope_of
+from ._core.keys import Scope, derive_key, evict_hint, validate_key
 from ._core.observed import AsyncObserved, Observed
 from ._core.progress import NO_PROGRESS, Progress
 from ._core.record import Record, Status
@@ -1011,7 +1011,7 @@ class _Guard(Generic[OnceT, BegunT]):
     ) -> OnceT:
         """`once`, its arguments given in order (a decorated function's calls: keywords cost
         them more than the rest of this)."""
-        scope = scope_of(key, operation, principal)
+        scope = Scope(principal, operation, validate_key(key))  # `Scope.of`, inlined
         unit = self._unit(conn, mode)
         if self.encryption is not None:
             codec = SealedCodec(codec, self.encryption, scope)  # sealed for this scope only

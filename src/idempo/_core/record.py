@@ -74,50 +74,11 @@ class Record:
         _point(self, recovery_point)
 
 
-# The fields' slots, which Record's __init__ and `decoded` fill. A store builds a Record from
-# what it read on every replay, and `decoded` skips type.__call__ too (about 1 k instructions
-# more of the 11 k a record built through __init__ costs, CPython 3.11, callgrind). The record
-# is the same: Record has no __post_init__ and checks nothing. (Unpacking fails at import if
-# a field is added or removed without this line.)
-_new = object.__new__
+# The fields' slots, which Record's __init__ fills. (Unpacking fails at import if a field is
+# added or removed without this line.)
 _scope, _fp, _status, _token, _lease, _response, _created, _updated, _expires, _point = (
     Record.__dict__[name].__set__ for name in Record.__slots__
 )
-
-
-def decoded(
-    scope: Scope,
-    fingerprint: str,
-    status: Status,
-    token: int,
-    lease_expires_at: datetime | None,
-    response: bytes | None,
-    created_at: datetime,
-    updated_at: datetime,
-    expires_at: datetime,
-    recovery_point: str | None,
-) -> Record:
-    """``Record(...)`` with every field given in order, for a store decoding what it read:
-    the same record, built without type.__call__ and a setattr call per field.
-
-    >>> from datetime import UTC
-    >>> at = datetime(2026, 1, 1, tzinfo=UTC)
-    >>> fields = (Scope("", "op", "k"), "fp", Status.COMPLETED, 1, None, b"ok", at, at, at, None)
-    >>> decoded(*fields) == Record(*fields)
-    True
-    """
-    record: Record = _new(Record)
-    _scope(record, scope)
-    _fp(record, fingerprint)
-    _status(record, status)
-    _token(record, token)
-    _lease(record, lease_expires_at)
-    _response(record, response)
-    _created(record, created_at)
-    _updated(record, updated_at)
-    _expires(record, expires_at)
-    _point(record, recovery_point)
-    return record
 
 
 @dataclass(frozen=True, slots=True)

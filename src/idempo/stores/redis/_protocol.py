@@ -43,7 +43,6 @@ from ..._core.record import (
     Replay,
     Reservation,
     Status,
-    decoded,
     judge,
 )
 from ...errors import ConfigurationError, CorruptRecordError, FencedError, StoreError
@@ -384,7 +383,7 @@ def _record(
         raise _bad(scope, "a string that is not UTF-8") from exc
     settled = st != IN_PROGRESS
     # `_time`, inlined: three calls more on every record read.
-    return decoded(
+    return Record(
         scope,
         fingerprint,
         _STATUSES[st],
