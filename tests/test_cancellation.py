@@ -247,26 +247,22 @@ REDIS_MOMENTS = ["before", "in-flight", "answered", "listing"]
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("moment", REDIS_MOMENTS)
-async def test_a_redis_reserve_awaited_in_the_callers_task_leaves_nothing_held(
+async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
     async_redis_store: Any,
     redis_url: str,
     monkeypatch: pytest.MonkeyPatch,
     kind: str,
     moment: str,
 ) -> None:
-    """AsyncRedisStore undoes a cancelled reservation itself (`undoes_cancelled_reserve`),
-    so the flow awaits its reserve in the caller's own task, with no task of its own: the
-    cancellation cuts the reservation short, and the key is free all the same once the
-    caller sees its cancellation."""
+    """A caller cancelled at any moment of its Redis reservation finds the key free once it
+    sees its cancellation, and a retry runs the work."""
     from idempo.stores.redis import _lane
     from idempo.stores.redis._ops import Batch, Command
 
     store = async_redis_store
     entered, opened = asyncio.Event(), asyncio.Event()
-    seen: list[asyncio.Task[Any] | None] = []
 
     async def hold() -> None:
-        seen.append(asyncio.current_task())
         entered.set()
         await opened.wait()
 
@@ -333,7 +329,6 @@ async def test_a_redis_reserve_awaited_in_the_callers_task_leaves_nothing_held(
         canceller = Canceller(kind)
         task = await canceller.run(call)
         await asyncio.wait_for(entered.wait(), STEP)
-        assert seen == [task], "the reserve ran in a task of its own"
         canceller.fire()
         await turns()
         opened.set()

@@ -387,14 +387,6 @@ class AsyncStoreVerbs(Verbs):
     async def discard(self) -> bool:
         return False
 
-    @property
-    def undoes_cancelled_reserve(self) -> bool:
-        """Whether the store's class promises that its ``reserve``, cancelled under way,
-        leaves nothing held once it has raised (it undoes what it may have reserved first):
-        `apump` then awaits it with no task of its own. Read from the class: a wrapper that
-        forwards attributes to such a store (a cache, a test's gate) promises nothing."""
-        return getattr(type(self.target), "undoes_cancelled_reserve", False) is True
-
 
 def performer(target: Any, direct: type[Verbs] = Verbs) -> Performer:
     """``target`` itself when it takes operations as values, else ``direct`` in front of it.
@@ -636,17 +628,13 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
     the flow releases the key, then the cancellation propagates. The flow's StopIteration is
     caught here: one that escaped a coroutine would turn into a RuntimeError (PEP 479).
 
-    A reservation is the one operation that may be cut short instead, on a store that
-    undoes a cancelled reserve itself (`AsyncStoreVerbs.undoes_cancelled_reserve`): it is
-    awaited in the caller's task, and its cancellation reaches the flow once nothing is held.
-    The guard's other operations settle what a reservation took, and no store can undo
-    those: they stay shielded.
+    A reservation too: cut short, a takeover of an attempt whose steps committed would hold
+    the key for a lease, where the flow, told after it, ends that lease at once.
     """
     # Made when first needed (an operation that may suspend): most calls never hold one.
     held = _NOTHING_HELD if cancelled is None else _Cancellation(cancelled)
     perform = unit.perform
     discards = getattr(unit, "discards", True)
-    undoes = getattr(unit, "undoes_cancelled_reserve", False)
     try:
         while held.error is not None or not isinstance(op, Execute):
             if held.error is not None and isinstance(op, Execute | Sleep):
@@ -663,9 +651,7 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
                     done = perform(op)  # type: ignore[arg-type] # never Execute
                     # `_Cancellation.complete`'s first test, inlined: most verbs (the memory
                     # store's) cannot suspend, and run here in one step.
-                    if _SUSPENDS.get(getattr(done, "cr_code", None)) is False or (
-                        undoes and held.error is None and isinstance(op, Reserve)
-                    ):
+                    if _SUSPENDS.get(getattr(done, "cr_code", None)) is False:
                         result = await done
                     else:
                         if held is _NOTHING_HELD:

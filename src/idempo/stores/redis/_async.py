@@ -51,11 +51,6 @@ class AsyncRedisStore:
     waits for those undos.
     """
 
-    # What the above promises the guard: a reserve cancelled under way leaves nothing held
-    # once it has raised, so the flow awaits it in the caller's task (`_core.flow.apump`),
-    # with no task of its own to shield it.
-    undoes_cancelled_reserve = True
-
     def __init__(
         self,
         url: str | None = None,
