@@ -23,6 +23,7 @@ from idempo._http.response import (
     _kept,
     _parsed,
     decode_response,
+    decoded,
     encode_response,
 )
 from idempo.errors import CorruptRecordError
@@ -123,6 +124,32 @@ def test_any_stored_line_reads_as_the_parser_reads_it(
 def test_edge_case_lines_read_as_the_parser_reads_them(head: bytes) -> None:
     for data in (head + b"\nbody", head):
         assert outcome(decode_response, data) == outcome(parsed, data)
+
+
+def replayed(data: bytes, status_200: bool) -> HttpResponse:
+    """A replay as the general path makes it: the stored response, parsed, then replayed."""
+    return parsed(data).replay(status_200=status_200)
+
+
+# Up to ten headers, so lines past the one-match shortcut's eight are made too.
+replayable = st.builds(
+    HttpResponse,
+    st.integers(100, 999),
+    st.lists(st.tuples(names, header_bytes), max_size=10).map(tuple),
+    st.binary(max_size=20),
+)
+
+
+@bounded
+@given(replayable, st.randoms(use_true_random=False), st.booleans())
+def test_a_replay_decoded_at_once_is_the_stored_response_replayed(
+    response: HttpResponse, rnd: random.Random, status_200: bool
+) -> None:
+    """The replaying decode (one match for a usual line, `_replayable_head`) gives what
+    parsing the line and replaying it give, for every spelling of every line."""
+    for data in (encode_response(response), spellings(response, rnd)):
+        expected = outcome(lambda d: replayed(d, status_200), data)
+        assert outcome(lambda d: decoded(d, status_200), data) == expected
 
 
 def kept_reference(headers: tuple[tuple[bytes, bytes], ...], dropped: frozenset[bytes]) -> tuple:

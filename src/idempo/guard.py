@@ -411,7 +411,9 @@ class _Pending(Generic[T]):
         self._policy = policy
         self._codec = codec
         self._every = renew_every
-        self._flow: Flow | None = guarded_call(scope, fingerprint(payload), policy, codec)
+        self._flow: Flow | None = guarded_call(
+            scope, fingerprint(payload), policy, codec, discards=getattr(unit, "discards", True)
+        )
 
     def _started(self, step: Execute | Done) -> Any:
         """The attempt the work runs with (renewed, if asked), or the replay the flow found."""
@@ -773,9 +775,9 @@ def _plain_parameters(signature: inspect.Signature) -> _Plain | None:
     return _Plain(names, rest, positional, frozenset(names))
 
 
-# What `_Decorated.resolve` gives: key, operation, payload, principal, conn, codec and
-# renew_every, as `_Guard._begun` takes them.
-Resolved = tuple[Any, str, Any, str, Any, Codec, float | timedelta | None]
+# What `_Decorated.resolve` gives: scope, payload, conn, codec and renew_every, as
+# `_Guard._begun` takes them.
+Resolved = tuple[Scope, Any, Any, Codec, float | timedelta | None]
 
 
 class _Decorated:
@@ -862,7 +864,8 @@ class _Decorated:
             self.principal if isinstance(self.principal, str) else self.principal(*args, **kwargs)
         )
         conn = named[self.conn] if self.conn else None
-        return key, self.operation, payload, principal, conn, self.codec(policy), self.renew_every
+        scope = Scope(principal, self.operation, validate_key(key))
+        return scope, payload, conn, self.codec(policy), self.renew_every
 
 
 OnceT = TypeVar("OnceT", bound=_Pending[Any])
@@ -993,25 +996,22 @@ class _Guard(Generic[OnceT, BegunT]):
             FencedError: (on leaving the block) the lease was lost to another attempt.
         """
         codec = codec or FunctionCodec(serializer or self.policy.serializer, self.policy.fail_on)
-        return self._begun(
-            key, operation, payload, principal, conn, codec, renew_every, mode, surface
-        )
+        scope = Scope(principal, operation, validate_key(key))  # `Scope.of`, inlined
+        return self._begun(scope, payload, conn, codec, renew_every, mode, surface)
 
     def _begun(
         self,
-        key: str,
-        operation: str,
+        scope: Scope,
         payload: Any,
-        principal: str,
         conn: Any,
         codec: Codec,
         renew_every: float | timedelta | None,
         mode: Mode,
         surface: Surface = "function",
     ) -> OnceT:
-        """`once`, its arguments given in order (a decorated function's calls: keywords cost
-        them more than the rest of this)."""
-        scope = Scope(principal, operation, validate_key(key))  # `Scope.of`, inlined
+        """`once`, its arguments given in order and its key in its `Scope`, validated (a
+        decorated function's calls and the HTTP lifecycle's: keywords cost them more than
+        the rest of this)."""
         unit = self._unit(conn, mode)
         if self.encryption is not None:
             codec = SealedCodec(codec, self.encryption, scope)  # sealed for this scope only

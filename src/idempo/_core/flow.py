@@ -112,10 +112,14 @@ to the caller, and the key is released as for a transient failure."""
 
 
 def guarded_call(
-    scope: Scope, fingerprint: str, policy: Policy, codec: Codec
+    scope: Scope, fingerprint: str, policy: Policy, codec: Codec, *, discards: bool = True
 ) -> Generator[Op, Any, Record | None]:
-    """Run one call: returns the record to replay, or None once this call executed the work."""
-    reservation = yield from _reserve(scope, fingerprint, policy)
+    """Run one call: returns the record to replay, or None once this call executed the work.
+
+    ``discards``: whether the unit the call runs on may hold writes of the work's to throw
+    away (`Discard`); a store used directly holds none, and the flow asks it nothing then.
+    """
+    reservation = yield from _reserve(scope, fingerprint, policy, discards)
     if not isinstance(reservation, Acquired):
         return reservation.record
     token = reservation.token
@@ -127,19 +131,19 @@ def guarded_call(
             # The steps it names ran: none may run again, and this is no failure of the
             # work's to record, whatever the codec counts as one. The lease ends, the point
             # stays, and a retry that can open it resumes after them.
-            yield from _abandon(scope, run, codec, policy, exc, transient=True)
+            yield from _abandon(scope, run, codec, policy, exc, transient=True, discards=discards)
             raise
     try:
         value = yield run
     except GeneratorExit:
         raise
     except BaseException as exc:
-        yield from _abandon(scope, run, codec, policy, exc)
+        yield from _abandon(scope, run, codec, policy, exc, discards=discards)
         raise
     try:
         status, body = (None, b"") if value is NOT_KEPT else _encoded(codec, value, policy)
     except IdempotencyError as exc:
-        yield from _abandon(scope, run, codec, policy, exc, unstorable=True)
+        yield from _abandon(scope, run, codec, policy, exc, unstorable=True, discards=discards)
         raise
     try:
         yield _outcome(scope, run, status, body, policy)
@@ -187,6 +191,7 @@ def _abandon(
     *,
     unstorable: bool = False,
     transient: bool = False,
+    discards: bool = True,
 ) -> Generator[Op, Any, None]:
     """Throw the work's writes away, then record the failure or release the key (always
     release it, if ``transient``).
@@ -197,7 +202,7 @@ def _abandon(
     """
     token = run.token
     try:
-        undone = yield _DISCARD
+        undone = (yield _DISCARD) if discards else False
     except TransactionOwnershipError as ended:
         yield from _settle_owned(scope, token, codec, policy, ended)
         raise ended from exc
@@ -246,7 +251,7 @@ def _stopwatch(policy: Policy) -> Callable[[], timedelta]:
 
 
 def _reserve(
-    scope: Scope, fingerprint: str, policy: Policy
+    scope: Scope, fingerprint: str, policy: Policy, discards: bool
 ) -> Generator[Op, Any, Acquired | Replay]:
     wait = policy.wait
     elapsed = None if wait is None else _stopwatch(policy)
@@ -264,7 +269,8 @@ def _reserve(
         # isinstance tests, not a match on class patterns: this runs on every call.
         if isinstance(reservation, Acquired):
             return reservation
-        yield _DISCARD  # nothing will be written: end the transaction, if there is one
+        if discards:
+            yield _DISCARD  # nothing will be written: end the transaction, if there is one
         if isinstance(reservation, Replay):
             return reservation
         if isinstance(reservation, Mismatch):
@@ -320,7 +326,7 @@ class Verbs:
 
     __slots__ = ("target",)
     # Whether `Discard` may do anything: a store used directly (no work runs on it) has
-    # nothing to discard, and the drivers answer for it without a call.
+    # nothing to discard, and the flow does not ask (`guarded_call`'s ``discards``).
     discards = True
 
     def __init__(self, target: Any) -> None:
@@ -335,7 +341,7 @@ class Verbs:
         if isinstance(op, Settle):
             verb = target.complete if op.status is Status.COMPLETED else target.fail
             return verb(op.scope, op.token, op.response, now=op.now, ttl=op.ttl)
-        if isinstance(op, Discard):  # after every replay: before the rarer ones
+        if isinstance(op, Discard):  # after every replay on a unit: before the rarer ones
             return self.discard()
         if isinstance(op, Release):
             return target.release(op.scope, op.token)
@@ -439,12 +445,8 @@ Flow = Generator[Op, Any, Record | None]
 def pump(flow: Flow, unit: Performer, policy: Policy, op: Op) -> Execute | Done:
     """Perform operations until the flow asks for the work to run, or ends."""
     perform = unit.perform
-    discards = getattr(unit, "discards", True)
     try:
         while not isinstance(op, Execute):
-            if op is _DISCARD and not discards:
-                op = flow.send(False)
-                continue
             try:
                 result = _sleep(op, policy, unit) if isinstance(op, Sleep) else perform(op)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back into the flow
@@ -634,14 +636,10 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
     # Made when first needed (an operation that may suspend): most calls never hold one.
     held = _NOTHING_HELD if cancelled is None else _Cancellation(cancelled)
     perform = unit.perform
-    discards = getattr(unit, "discards", True)
     try:
         while held.error is not None or not isinstance(op, Execute):
             if held.error is not None and isinstance(op, Execute | Sleep):
                 op = flow.throw(held.error)
-                continue
-            if op is _DISCARD and not discards:
-                op = flow.send(False)
                 continue
             try:
                 if isinstance(op, Sleep):

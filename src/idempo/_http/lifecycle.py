@@ -27,7 +27,7 @@ from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .._core.keys import validate_key
+from .._core.keys import Scope, validate_key
 from .._core.renewal import Renewal, ThreadRenewal
 from ..errors import (
     CorruptRecordError,
@@ -391,13 +391,13 @@ class Lifecycle:
             return f"{method} {stored_text(path)}", rule
         return (None if found is NO_ROUTE else f"{method} {found}"), rule
 
-    def begin(
+    def guard(
         self, key: str, request: Request, principal: str, conn: Any, operation: str | None = None
     ) -> Any:
-        """Reserve the key (`Idempotency.begin`; awaitable on `AsyncIdempotency`): the
-        guard's handle for one request, under its scope and fingerprint. ``operation`` is
-        the adapter's `operation` of the request, when it asked already; a `NO_ROUTE` there
-        is guarded under the path (an adapter that passes such requests through asks first).
+        """The guard's handle for one request, under its scope and fingerprint, not reserved
+        yet (`Idempotency.once`: the faces reserve with its ``_enter``). ``operation`` is the
+        adapter's `operation` of the request, when it asked already; a `NO_ROUTE` there is
+        guarded under the path (an adapter that passes such requests through asks first).
         """
         settings = self.settings
         method, path = request.method, request.path
@@ -405,26 +405,21 @@ class Lifecycle:
             operation = self.operation(request)
             if operation is None:
                 operation = f"{method} {stored_text(path)}"
-        # `Idempotency.begin` is this `once` begun: called so, its arguments are passed once.
-        return self.idempotency.once(
-            key,
-            operation=operation,
-            payload=canonical_parts(
-                method,
-                path,
-                request.query,
-                request.headers,
-                request.body,
-                settings.fingerprint_fields,
-                settings.fingerprint_headers,
-                content_type=request.named.get(b"content-type", ()),
-            ),
-            principal=principal,
-            conn=conn,
-            mode=settings.mode,
-            codec=settings.codec,
-            surface="http",
-        )._begin()
+        payload = canonical_parts(
+            method,
+            path,
+            request.query,
+            request.headers,
+            request.body,
+            settings.fingerprint_fields,
+            settings.fingerprint_headers,
+            content_type=request.named.get(b"content-type", ()),
+        )
+        # `Idempotency.once(...)` begun, its arguments given in order (`_Guard._begun`).
+        scope = Scope(principal, operation, validate_key(key))
+        return self.idempotency._begun(
+            scope, payload, conn, settings.codec, None, settings.mode, "http"
+        )
 
 
 # --- the sync face ------------------------------------------------------------------------
@@ -446,7 +441,8 @@ def reserve(
         if lifecycle.settings.connection is not None:
             conn = _opened(lambda: stack.enter_context(lifecycle.settings.connection()))
         guarded = True  # from here on the guard reports what it refuses
-        handle = lifecycle.begin(key, request, principal, conn, operation)
+        handle = lifecycle.guard(key, request, principal, conn, operation)
+        attempt = handle._enter()
     except IdempotencyError as exc:
         stack.close()
         refusal = lifecycle.refused(exc, key, request, reported=guarded)
@@ -454,7 +450,6 @@ def reserve(
     except BaseException as exc:
         stack.__exit__(type(exc), exc, exc.__traceback__)
         raise
-    attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
         stack.close()
         replay: HttpResponse = attempt.result  # the answer itself (`HttpSettings.codec`)
@@ -555,11 +550,11 @@ async def areserve(
         if stack is not None and lifecycle.settings.connection is not None:
             conn = await _aopened(stack, lifecycle.settings.connection)
         guarded = True  # from here on the guard reports what it refuses
-        handle = await lifecycle.begin(key, request, principal, conn, operation)
+        handle = lifecycle.guard(key, request, principal, conn, operation)
+        attempt = await handle._enter()
     except IdempotencyError as exc:
         refusal = lifecycle.refused(exc, key, request, reported=guarded)
         return Unguarded(request.body) if refusal is None else refusal
-    attempt = handle.attempt
     if attempt.replayed:  # a replay holds nothing
         replay: HttpResponse = attempt.result  # the answer itself (`HttpSettings.codec`)
         return replay

@@ -75,8 +75,10 @@ def _replayed(
     """`HttpResponse.replay` of a response given in parts."""
     if status_200 and 200 <= status < 300:
         status = 200
-    return HttpResponse(status, (*_kept(headers, _NOT_REPLAYED), (REPLAYED_HEADER, b"true")), body)
+    return HttpResponse(status, (*_kept(headers, _NOT_REPLAYED), _REPLAYED), body)
 
+
+_REPLAYED = (REPLAYED_HEADER, b"true")
 
 # The fields' slots (what the frozen instance's own __setattr__ refuses to set).
 _set_status = HttpResponse.__dict__["status"].__set__
@@ -142,6 +144,22 @@ _plain_head = re.compile(
 ).fullmatch
 _plain_headers = re.compile(rb'\["(%s)","(%s)"\]' % (_PLAIN_TEXT, _PLAIN_TEXT)).findall
 
+# A replay's usual line, read by one match: up to `_REPLAYABLE_PAIRS` headers, each a
+# lowercase name that a replay keeps (none of `_NOT_REPLAYED`, so no Connection field that
+# could name others) and a plain value. Its groups are the status, then each name and value
+# in order (None past the last); any other line takes `_plain_head` or the parser, and
+# `_kept`.
+_REPLAYABLE_PAIRS = 8
+_DROPPED = b"|".join(sorted(map(re.escape, _NOT_REPLAYED)))  # `_NOT_REPLAYED`, as a regex
+_REPLAYABLE_HEADER = rb'\["(?!(?:%s)")([ !#-@\[\]-~]*)","(%s)"\]' % (_DROPPED, _PLAIN_TEXT)
+_more = b""
+for _ in range(_REPLAYABLE_PAIRS - 1):
+    _more = rb"(?:,%s%s)?" % (_REPLAYABLE_HEADER, _more)
+_replayable_head = re.compile(
+    rb'\{"v":%d,"status":([1-9][0-9]{2}),"headers":\[(?:%s%s)?\]\}'
+    % (_STORED_FORMAT_VERSION, _REPLAYABLE_HEADER, _more)
+).fullmatch
+
 
 def decode_response(data: bytes) -> HttpResponse:
     """The response `encode_response` stored.
@@ -157,6 +175,15 @@ def decoded(data: bytes, replay_200: bool | None) -> HttpResponse:
     with ``status_200=replay_200``, made at once: a replay never needs the stored response
     itself, and making it would cost about as much again."""
     head_line, newline, body = data.partition(b"\n")
+    if replay_200 is not None and newline:
+        found = _replayable_head(head_line)
+        if found is not None:
+            fields = found.groups()
+            status = int(fields[0])
+            if replay_200 and 200 <= status < 300:
+                status = 200
+            pairs = iter(fields[1 : fields.index(None)] if fields[-1] is None else fields[1:])
+            return HttpResponse(status, (*zip(pairs, pairs, strict=True), _REPLAYED), body)
     plain = _plain_head(head_line)
     if plain is not None and newline:
         # The line as `encode_response` writes it for a response whose header bytes are
