@@ -246,7 +246,7 @@ def instructions(names: list[str], small: int, large: int, loop: str) -> None:
     for name in names:
         args = ["--only", name, "--rounds", "1", "--no-warmup", "--loop", loop]
         counts = [
-            callgrind_count(valgrind, __file__, [*args, "--requests", str(n)])
+            callgrind_count(valgrind, sys.argv[0], [*args, "--requests", str(n)])
             for n in (small, large)
         ]
         per = (counts[1] - counts[0]) / (large - small)

@@ -65,6 +65,20 @@ def test_every_stored_response_reads_back_byte_for_byte(response: HttpResponse) 
     assert parsed(data) == response
 
 
+@bounded
+@given(responses)
+def test_every_stored_line_is_the_documented_json(response: HttpResponse) -> None:
+    """The line `encode_response` writes, by its shortcut for plain header bytes or not, is
+    the compact JSON document with ASCII escapes that docs/http.md describes."""
+    document = {
+        "v": 1,
+        "status": response.status,
+        "headers": [[n.decode("latin-1"), v.decode("latin-1")] for n, v in response.headers],
+    }
+    line = json.dumps(document, separators=(",", ":")).encode()
+    assert encode_response(response) == line + b"\n" + response.body
+
+
 def spellings(response: HttpResponse, rnd: random.Random) -> bytes:
     """A stored line the way `encode_response` writes it, or the same document written some
     other way (spaces, escapes, member order, another status form, a missing newline)."""

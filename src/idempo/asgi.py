@@ -178,14 +178,13 @@ class _Exchange:
         if isinstance(key, HttpResponse):
             await self._answer(key)
             return
-        operation = admission.operation
         if lifecycle.settings.connection is None:
-            await self._guarded(key, operation, body, None)
+            await self._guarded(key, admission.operation, body, None)
             return
         # The app's connection, when it carries the record, lives exactly as long as the
         # guarded call: opened after the cheap refusals, closed after the outcome commits.
         async with AsyncExitStack() as connection:
-            await self._guarded(key, operation, body, connection)
+            await self._guarded(key, admission.operation, body, connection)
 
     async def _guarded(
         self, key: str, operation: str, body: bytes, connection: AsyncExitStack | None
@@ -280,10 +279,8 @@ class _Exchange:
         return self.lifecycle.unkept(int(self.start["status"]), self.size)
 
     async def _read_body(self) -> bytes | None:
-        lifecycle = self.lifecycle
-        if lifecycle.declared_too_large(self.named.get(b"content-length")):
-            raise RequestTooLargeError(lifecycle.settings.max_request_bytes)
-        limit = lifecycle.settings.max_request_bytes
+        # A declared Content-Length over the limit was refused already (`Lifecycle.admit`).
+        limit = self.lifecycle.settings.max_request_bytes
         chunks: list[bytes] = []
         size = 0
         while True:

@@ -111,8 +111,6 @@ class IdempotencyWSGIMiddleware(ShowsOptions):
             return self.app(environ, start_response)  # not guarded: never buffered
         if isinstance(admission, HttpResponse):
             return _answer(start_response, admission)
-        if lifecycle.declared_too_large(named.get(b"content-length")):
-            return _answer(start_response, lifecycle.too_large())
         body = _read_body(environ, settings.max_request_bytes)
         if body is None:
             return _answer(start_response, lifecycle.too_large())

@@ -171,9 +171,10 @@ class Lifecycle:
     ) -> Admission | HttpResponse | None:
         """Whether a request of a guarded method is guarded, before its body is read: its
         `Admission` (its operation, and its key unless a ``key_from`` hook reads it from the
-        body); the 400 to answer (no key, or a malformed one); or None to pass it through
-        untouched (an excluded path, a route marked `not_idempotent`, no route at all, or no
-        key where none is required)."""
+        body); the 400 to answer (no key, or a malformed one) or the 413 (a declared
+        ``Content-Length`` over ``max_request_bytes``); or None to pass it through untouched
+        (an excluded path, a route marked `not_idempotent`, no route at all, or no key where
+        none is required)."""
         settings = self.settings
         paths = settings.paths
         if not paths.everything and not paths.guards(path):
@@ -188,18 +189,24 @@ class Lifecycle:
             if rule.require_key is not None:
                 required = rule.require_key
             hook = rule.key_from or hook
-        if hook is not None:
-            return Admission(operation, None, hook, required)
-        values = named.get(settings.key_header, ())
-        try:
-            key = parse_key(values)
-        except IdempotencyError as exc:
-            return self.problem(exc)
-        if key is None:
-            if required:
-                return self.problem(MissingKeyError(header=settings.key_header_name))
-            return None
-        return Admission(operation, key, None, required)
+        if hook is None:
+            try:
+                key = parse_key(named.get(settings.key_header, ()))
+            except IdempotencyError as exc:
+                return self.problem(exc)
+            if key is None:
+                if required:
+                    return self.problem(MissingKeyError(header=settings.key_header_name))
+                return None
+        else:
+            key = None  # the hook reads it once the body is read
+        # Refused before the body is read: a declared size over the limit (413).
+        length = named.get(b"content-length")
+        if length:
+            declared = length[0].strip()
+            if declared.isdigit() and int(declared) > settings.max_request_bytes:
+                return self.too_large()
+        return Admission(operation, key, hook, required)
 
     def hooked_key(self, admission: Admission, request: Request) -> str | HttpResponse | None:
         """The key an `Admission`'s ``key_from`` hook finds in the whole request, the 400 to
@@ -217,13 +224,6 @@ class Lifecycle:
         except IdempotencyError as exc:
             return self.problem(exc)
         return None
-
-    def declared_too_large(self, content_length: Sequence[bytes] | None) -> bool:
-        """Whether a declared ``Content-Length`` is over the limit (413 before reading)."""
-        if not content_length:
-            return False
-        first = content_length[0].strip()
-        return first.isdigit() and int(first) > self.settings.max_request_bytes
 
     def too_large(self) -> HttpResponse:
         """413 for a body over ``max_request_bytes``."""

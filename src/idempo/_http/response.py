@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import chain
 
 from .. import _wire
 from ..errors import CorruptRecordError
@@ -124,14 +125,27 @@ def encode_response(response: HttpResponse) -> bytes:
     # Written out rather than through json.dumps (which builds an encoder per call): the
     # same bytes, as the format's test checks. ASCII escapes keep the line free of raw
     # newlines whatever the headers hold.
-    headers = ",".join(
+    headers = response.headers
+    if not b"".join(chain.from_iterable(headers)).translate(None, _PLAIN_BYTES):
+        # Header bytes that are all printable ASCII but quotes and backslashes (what servers
+        # send): each one's JSON string is its own text between quotes.
+        listed = b'["%s"]' % b'"],["'.join(map(b'","'.join, headers)) if headers else b""
+        return b"%s%d,%s%s]}\n%s" % (_HEAD, response.status, _HEADERS, listed, response.body)
+    fields = ",".join(
         [
             f"[{_ascii_string(name.decode('latin-1'))},{_ascii_string(value.decode('latin-1'))}]"
-            for name, value in response.headers
+            for name, value in headers
         ]
     )
-    head = f'{{"v":{_STORED_FORMAT_VERSION},"status":{int(response.status)},"headers":[{headers}]}}'
+    head = f'{{"v":{_STORED_FORMAT_VERSION},"status":{int(response.status)},"headers":[{fields}]}}'
     return head.encode() + b"\n" + response.body
+
+
+# The stored line's fixed text before the status and before the headers; the bytes a
+# header's JSON string holds as they are (`_PLAIN_TEXT`, for the deletion test above).
+_HEAD = b'{"v":%d,"status":' % _STORED_FORMAT_VERSION
+_HEADERS = b'"headers":['
+_PLAIN_BYTES = bytes(range(0x20, 0x7F)).translate(None, b'"\\')
 
 
 # A JSON string's text that is printable ASCII with nothing escaped (no quote, no backslash):

@@ -55,8 +55,6 @@ class IdempotencyMiddleware(http.ShowsOptions):
             return await handler(request)  # unguarded, or answered before any endpoint ran
         if isinstance(admission, http.HttpResponse):
             return _to_aiohttp(admission)
-        if lifecycle.declared_too_large(named.get(b"content-length")):
-            return _to_aiohttp(lifecycle.too_large())
         try:  # read once: aiohttp keeps the bytes for the handler's read(), json(), text()
             body = await request.read()
             if len(body) > self.settings.max_request_bytes:

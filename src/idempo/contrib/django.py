@@ -121,8 +121,6 @@ class IdempotencyMiddleware(ShowsOptions):
             return self.get_response(request)  # not guarded (or no URL pattern matches)
         if isinstance(admission, StoredResponse):
             return _to_django(admission)
-        if lifecycle.declared_too_large(named.get(b"content-length")):
-            return _to_django(lifecycle.too_large())
         # Django reads the body once and keeps it, so the view reads the same bytes; under
         # WSGI, a body without Content-Length (chunked) reads as empty, as it does in Django.
         body = request.body
