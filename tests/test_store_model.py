@@ -309,3 +309,25 @@ def test_a_record_is_a_frozen_dataclass_of_its_fields(fields: tuple[Any, ...]) -
     assert dataclasses.replace(made, token=0) == Record(*fields[:3], 0, *fields[4:])
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.token = 0  # type: ignore[misc]
+
+
+@given(st.integers(), st.none() | st.text(), st.booleans())
+def test_acquired_is_a_frozen_dataclass_of_its_fields(
+    token: int, recovery_point: str | None, taken_over: bool
+) -> None:
+    """`Acquired`'s own __init__ (it fills the slots, for speed) makes what the dataclass's
+    would, with its defaults: every store makes one per fresh call."""
+    import dataclasses
+
+    fields = (token, recovery_point, taken_over)
+    made = Acquired(*fields)
+    assert dataclasses.astuple(made) == fields
+    assert made == Acquired(token=token, recovery_point=recovery_point, taken_over=taken_over)
+    assert hash(made) == hash(fields)
+    assert Acquired(token) == Acquired(token, None, False)
+    assert repr(made) == (
+        f"Acquired(token={token!r}, recovery_point={recovery_point!r}, taken_over={taken_over!r})"
+    )
+    assert dataclasses.replace(made, token=0) == Acquired(0, recovery_point, taken_over)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.token = 0  # type: ignore[misc]

@@ -81,7 +81,7 @@ _scope, _fp, _status, _token, _lease, _response, _created, _updated, _expires, _
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Acquired:
     """The caller holds the key: execute, then complete, fail or release with ``token``.
 
@@ -93,6 +93,18 @@ class Acquired:
     token: int
     recovery_point: str | None = None
     taken_over: bool = False
+
+    def __init__(
+        self, token: int, recovery_point: str | None = None, taken_over: bool = False
+    ) -> None:
+        _set_token(self, token)
+        _set_point(self, recovery_point)
+        _set_taken_over(self, taken_over)
+
+
+_set_token, _set_point, _set_taken_over = (
+    Acquired.__dict__[name].__set__ for name in Acquired.__slots__
+)
 
 
 @dataclass(frozen=True, slots=True, init=False)

@@ -152,16 +152,6 @@ class MemoryStore:
             raise FencedError(f"{key_ref(scope.key)}: token {token} is stale")
         return entry
 
-    def _settled_already(self, scope: Scope, token: int, status: Status, response: bytes) -> bool:
-        """The same settle again (a retried call whose answer was lost): nothing to do."""
-        entry = self._entries.get(scope)
-        return (
-            entry is not None
-            and entry.token == token
-            and entry.status is status
-            and entry.response == bytes(response)
-        )
-
     def _settle(
         self,
         scope: Scope,
@@ -173,17 +163,21 @@ class MemoryStore:
     ) -> None:
         now = now or _clock.host_now()
         with self._lock:
-            if self._settled_already(scope, token, status, response):
-                return
-            entry = self._held(scope, token)
-            entry.status = status
-            entry.response = bytes(response)
-            entry.lease_expires_at = None
-            entry.updated_at = now
-            entry.expires_at = max(entry.expires_at, now + ttl)
-            entry._record = None
-            if self._waiting:
-                self._wake(scope)
+            entry = self._entries.get(scope)
+            if entry is not None and entry.token == token:
+                if entry.status is Status.IN_PROGRESS:
+                    entry.status = status
+                    entry.response = bytes(response)
+                    entry.lease_expires_at = None
+                    entry.updated_at = now
+                    entry.expires_at = max(entry.expires_at, now + ttl)
+                    entry._record = None
+                    if self._waiting:
+                        self._wake(scope)
+                    return
+                if entry.status is status and entry.response == bytes(response):
+                    return  # the same settle again (a retried call whose answer was lost)
+            raise FencedError(f"{key_ref(scope.key)}: token {token} is stale")
 
     def complete(
         self, scope: Scope, token: int, response: bytes, *, now: datetime | None, ttl: timedelta
