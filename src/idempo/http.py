@@ -9,7 +9,7 @@ adapter", walks through `idempo.contrib.aiohttp` as the worked example::
 
     lifecycle = Lifecycle(HttpSettings(options, owner="Mine", asynchronous=True), routes)
     named = headers_named(headers, lifecycle.read_headers)
-    admission = lifecycle.admit(raw, method, path, named)  # Admission, HttpResponse (400, 413), None
+    admission = lifecycle.admit(raw, method, path, named)  # Admission, a 400/413, or None
 """
 
 from __future__ import annotations
