@@ -25,7 +25,7 @@ from urllib.parse import quote
 from .._core.ops import Reserve, StoreOp
 from .._core.record import Mismatch, Replay
 from ..errors import StoreError, StoreUnavailableError
-from . import schema_missing
+from . import _clock, schema_missing
 from ._sql.binding import sqlalchemy_connection
 from ._sql.dialect import Statement
 from ._sql.sqlite import SQLiteDialect
@@ -352,7 +352,7 @@ class SQLiteStore(SqlStore):
             return None  # a fresh key: the clock is read by the reservation, under its lock
         # Judged on the same clock rule as the reservation (an injected time, else the
         # host's), read after the record was.
-        return dialect.answered(rows, dialect.fix_now(op))
+        return dialect.answered(rows, op, op.now or _clock.host_now())
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):

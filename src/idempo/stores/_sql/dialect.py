@@ -63,6 +63,10 @@ _WHERE_SCOPE = "principal = :principal AND operation = :operation AND idem_key =
 # PostgreSQL keeps 63 bytes of a name and cuts the rest silently (MariaDB refuses past 64).
 _MAX_NAME = 63
 
+# A stored state's Status, by its text: a dict look-up costs a fraction of `Status(state)`,
+# and a row is read on every call.
+_STATUSES: dict[Any, Status] = {status.value: status for status in Status}
+
 OpT = TypeVar("OpT", Reserve, Settle, Renew, Checkpoint)
 
 
@@ -337,26 +341,38 @@ class SqlDialect:
         writes (another program's row, a hand edit), named by ``asked`` or its own scope."""
         (principal, operation, key, fp, state, token, lease, response, created, updated,
          expires, point) = row  # fmt: skip
-        scope = Scope(principal, operation, key)
+        if (
+            asked is not None
+            and asked.key == key
+            and asked.operation == operation
+            and asked.principal == principal
+        ):
+            scope = asked  # the row of the scope asked for, as nearly every read is
+        else:
+            scope = Scope(principal, operation, key)
         try:
             if not isinstance(fp, str) or not (point is None or isinstance(point, str)):
                 raise TypeError("the fingerprint or recovery point is not text")
             if isinstance(token, bool) or not isinstance(token, int) or token < 1:
                 raise ValueError(f"token {token!r}")
-            if lease is None and state == Status.IN_PROGRESS.value:
+            status = _STATUSES.get(state)
+            if status is None:
+                raise ValueError(f"{state!r} is not a valid Status")
+            if lease is None and status is Status.IN_PROGRESS:
                 # Nothing could take it over (no lease to end) and no holder will settle it.
                 raise ValueError("an in-progress record without a lease")
+            py_time = self.py_time
             return Record(
-                scope=scope,
-                fingerprint=fp,
-                status=Status(state),
-                token=token,
-                lease_expires_at=None if lease is None else self.py_time(lease),
-                response=None if response is None else bytes(response),
-                created_at=self.py_time(created),
-                updated_at=self.py_time(updated),
-                expires_at=self.py_time(expires),
-                recovery_point=point,
+                scope,
+                fp,
+                status,
+                token,
+                None if lease is None else py_time(lease),
+                None if response is None else bytes(response),
+                py_time(created),
+                py_time(updated),
+                py_time(expires),
+                point,
             )
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             raise corrupt(asked or scope, f"{type(exc).__name__}: {exc}") from exc

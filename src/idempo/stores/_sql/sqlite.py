@@ -88,17 +88,16 @@ class SQLiteDialect(SqlDialect):
         record = self.record(rows[0], op.scope)
         return judge(record, op.fingerprint, op.now) or InProgress(retry_after=0.0)
 
-    def answered(self, rows: Rows, op: Reserve) -> Replay | Mismatch | None:
-        """What the record in ``rows`` (`select_sql`'s, read at ``op.now``, fixed by
-        `fix_now`) means for the reservation ``op``, if that takes no write: the replay of a
-        settled record or a mismatch, as `judge` tells the reservation itself. None for the
-        rest (no record, one in progress, expired, or one that cannot be read): the
-        reservation decides those, atomically."""
-        assert op.now is not None
+    def answered(self, rows: Rows, op: Reserve, now: datetime) -> Replay | Mismatch | None:
+        """What the record in ``rows`` (`select_sql`'s, read at ``now``: ``op.now``, else
+        the host's time, as `fix_now` fixes it) means for the reservation ``op``, if that
+        takes no write: the replay of a settled record or a mismatch, as `judge` tells the
+        reservation itself. None for the rest (no record, one in progress, expired, or one
+        that cannot be read): the reservation decides those, atomically."""
         if not rows:
             return None
         try:
-            verdict = judge(self.record(rows[0], op.scope), op.fingerprint, op.now)
+            verdict = judge(self.record(rows[0], op.scope), op.fingerprint, now)
         except CorruptRecordError:
             return None  # the reservation's own judging says what it means
         return verdict if isinstance(verdict, Replay | Mismatch) else None
