@@ -21,7 +21,14 @@ import pytest
 import redis
 
 from faults import STEP, Canceller, Gate
-from idempo import AsyncIdempotency, Policy, RequestInProgressError, Scope, Status
+from idempo import (
+    AsyncIdempotency,
+    FencedError,
+    Policy,
+    RequestInProgressError,
+    Scope,
+    Status,
+)
 from idempo.stores.sqlite import AsyncSQLiteStore
 
 OPERATION = "test.cancel"
@@ -338,6 +345,159 @@ async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
     assert found[0] is None or found[0][:1] == b"x", "the key was held when the caller heard"
     assert await asyncio.wait_for(call(), STEP) == "done"
     assert ran == ["ran"]
+
+
+# Where the cancellation lands in a takeover of an expired attempt that recorded a step,
+# and on whose clock: the reserve script sent and its reply on its way, its reply read, and
+# (on a given clock) the listing that follows the takeover.
+TAKEOVER_MOMENTS = [
+    pytest.param("in-flight", "given", id="in-flight-given"),
+    pytest.param("in-flight", "redis", id="in-flight-redis"),
+    pytest.param("answered", "given", id="answered-given"),
+    pytest.param("answered", "redis", id="answered-redis"),
+    pytest.param("listing", "given", id="listing-given"),
+]
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("moment", "clock"), TAKEOVER_MOMENTS)
+async def test_a_redis_takeover_of_committed_steps_cancelled_under_way_is_free_at_once(
+    async_redis_store: Any,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    moment: str,
+    clock: str,
+) -> None:
+    """A caller cancelled while its reservation takes over an expired attempt that recorded
+    a step: the record and its step stay (they committed), and its lease is over when the
+    caller hears its cancellation. So a retry right after takes over at once (no 409 for a
+    lease) and resumes after the step, and the stalled first attempt's completion is
+    refused."""
+    from idempo.stores.redis import _lane
+    from idempo.stores.redis._ops import Batch, Run
+    from idempo.stores.redis._protocol import decode
+    from idempo.stores.redis._scripts import RESERVE
+    from idempo.testing import FakeClock
+
+    store = async_redis_store
+    fake = FakeClock() if clock == "given" else None
+    stalled_lease = timedelta(minutes=1) if fake else timedelta(milliseconds=100)
+    first = AsyncIdempotency(store, Policy(lease=stalled_lease, clock=fake))
+    idem = AsyncIdempotency(store, Policy(lease=timedelta(minutes=10), clock=fake))
+    scope = Scope.of("k-redis-steps", operation=OPERATION)
+
+    checkpointed, stalled_on = asyncio.Event(), asyncio.Event()
+
+    async def stalled() -> None:
+        async with first.once(scope.key, operation=OPERATION) as attempt:
+            await attempt.checkpoint("step-1")
+            checkpointed.set()
+            await stalled_on.wait()
+            attempt.result = "stale"
+
+    stalling = asyncio.ensure_future(stalled())
+    try:
+        await asyncio.wait_for(checkpointed.wait(), STEP)
+        if fake is None:
+            await asyncio.sleep(0.2)  # past the stalled lease on Redis's clock (longer is as good)
+        else:
+            fake.advance(timedelta(minutes=2))
+
+        # Loaded before the gate: a first EVALSHA answered NOSCRIPT would be the one held.
+        await store.client.script_load(store._scripts[RESERVE].script)
+        entered, opened = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            entered.set()
+            await opened.wait()
+
+        start = store._start
+
+        async def answered(call: Any) -> Any:
+            reply = await start(call)
+            await hold()
+            return reply
+
+        async def listing(call: Any) -> Any:
+            await hold()
+            return await start(call)
+
+        def gated_start(call: Any) -> Any:
+            if entered.is_set():
+                return start(call)  # the retry and the stalled attempt pass freely
+            if moment == "answered" and isinstance(call, Run) and call.script == RESERVE:
+                return answered(call)
+            if moment == "listing" and isinstance(call, Batch):
+                return listing(call)
+            return start(call)
+
+        send = _lane._asend
+
+        async def in_flight(conn: Any, packed: bytes) -> Any:
+            if entered.is_set() or b"EVALSHA" not in packed[:32]:
+                return await send(conn, packed)
+            await conn.send_packed_command(packed)
+            try:
+                await hold()
+            except asyncio.CancelledError:
+                await conn.disconnect()  # as redis-py's read does when it is cancelled
+                raise
+            return await conn.read_response()
+
+        if moment == "in-flight":
+            monkeypatch.setattr(_lane, "_asend", in_flight)
+        else:
+            monkeypatch.setattr(store, "_start", gated_start)
+        found: list[bytes | None] = []
+        ran: list[tuple[str, ...]] = []
+
+        async def call() -> Any:
+            try:
+                async with idem.once(scope.key, operation=OPERATION) as attempt:
+                    if not attempt.replayed:
+                        ran.append(attempt.steps)
+                        attempt.result = "resumed"
+            except BaseException:
+                # Read at once, with no turn of the loop in between (see the test above).
+                found.append(reader.get(store._keys.key(scope)))
+                raise
+            return attempt.result
+
+        with redis.Redis.from_url(redis_url) as reader:
+            canceller = Canceller(kind)
+            task = await canceller.run(call)
+            await asyncio.wait_for(entered.wait(), STEP)
+            canceller.fire()
+            await turns()
+            opened.set()
+            await canceller.outcome(task)
+        assert ran == []
+        assert len(found) == 1
+        assert found[0] is not None
+        left = decode(found[0], scope).record
+        assert left is not None
+        assert (left.status, left.recovery_point is not None) == (Status.IN_PROGRESS, True)
+        assert left.lease_expires_at is not None
+        assert left.lease_expires_at <= left.updated_at, "the key was held when the caller heard"
+
+        try:
+            assert await asyncio.wait_for(call(), STEP) == "resumed"
+        except RequestInProgressError:
+            pytest.fail("the cancelled takeover left its key in progress for a lease")
+        assert ran == [("step-1",)]
+        stalled_on.set()
+        with pytest.raises(FencedError):
+            await asyncio.wait_for(stalling, STEP)
+        record = await store.get(scope)
+        assert record is not None
+        assert record.status is Status.COMPLETED
+        assert await asyncio.wait_for(call(), STEP) == "resumed"  # replayed
+        assert ran == [("step-1",)]
+    finally:
+        stalling.cancel()  # a failed check leaves it stalled
 
 
 def _now() -> datetime:
