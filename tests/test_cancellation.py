@@ -262,14 +262,18 @@ async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
     moment: str,
 ) -> None:
     """A caller cancelled at any moment of its Redis reservation finds the key free once it
-    sees its cancellation, and a retry runs the work."""
+    sees its cancellation, and a retry runs the work. The reservation runs in the caller's
+    own task (`AsyncRedisStore.undoes_cancelled_reserve`), so the cancellation cuts it short
+    and the store's undo is what frees the key."""
     from idempo.stores.redis import _lane
     from idempo.stores.redis._ops import Batch, Command
 
     store = async_redis_store
     entered, opened = asyncio.Event(), asyncio.Event()
+    seen: list[asyncio.Task[Any] | None] = []
 
     async def hold() -> None:
+        seen.append(asyncio.current_task())
         entered.set()
         await opened.wait()
 
@@ -301,12 +305,8 @@ async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
         if entered.is_set():
             return await send(conn, packed)
         await conn.send_packed_command(packed)
-        try:
-            await hold()
-        except asyncio.CancelledError:
-            await conn.disconnect()  # as redis-py's read does when it is cancelled
-            raise
-        return await conn.read_response()
+        await hold()  # cancelled here, the reply is owed as when the lane's read is cancelled
+        return await conn.read_response(disconnect_on_error=False)
 
     if moment == "in-flight":
         monkeypatch.setattr(_lane, "_asend", in_flight)
@@ -336,6 +336,7 @@ async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
         canceller = Canceller(kind)
         task = await canceller.run(call)
         await asyncio.wait_for(entered.wait(), STEP)
+        assert seen == [task], "the reserve ran in a task of its own"
         canceller.fire()
         await turns()
         opened.set()
@@ -409,8 +410,10 @@ async def test_a_redis_takeover_of_committed_steps_cancelled_under_way_is_free_a
         # Loaded before the gate: a first EVALSHA answered NOSCRIPT would be the one held.
         await store.client.script_load(store._scripts[RESERVE].script)
         entered, opened = asyncio.Event(), asyncio.Event()
+        seen: list[asyncio.Task[Any] | None] = []
 
         async def hold() -> None:
+            seen.append(asyncio.current_task())
             entered.set()
             await opened.wait()
 
@@ -440,12 +443,8 @@ async def test_a_redis_takeover_of_committed_steps_cancelled_under_way_is_free_a
             if entered.is_set() or b"EVALSHA" not in packed[:32]:
                 return await send(conn, packed)
             await conn.send_packed_command(packed)
-            try:
-                await hold()
-            except asyncio.CancelledError:
-                await conn.disconnect()  # as redis-py's read does when it is cancelled
-                raise
-            return await conn.read_response()
+            await hold()  # cancelled here, the reply is owed as when the lane's read is cancelled
+            return await conn.read_response(disconnect_on_error=False)
 
         if moment == "in-flight":
             monkeypatch.setattr(_lane, "_asend", in_flight)
@@ -470,6 +469,7 @@ async def test_a_redis_takeover_of_committed_steps_cancelled_under_way_is_free_a
             canceller = Canceller(kind)
             task = await canceller.run(call)
             await asyncio.wait_for(entered.wait(), STEP)
+            assert seen == [task], "the takeover ran in a task of its own"
             canceller.fire()
             await turns()
             opened.set()
