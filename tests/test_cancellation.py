@@ -377,6 +377,49 @@ async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
     assert ran == ["ran"]
 
 
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_redis_call_cancelled_at_any_turn_of_the_loop_sees_it_and_frees_the_key(
+    async_redis_store: Any,
+) -> None:
+    """``task.cancel()`` after any number of turns of the loop into a guarded call on Redis,
+    wherever it lands: the caller sees its cancellation, and the key is either free (the
+    work did not run) or completed (the cancellation came after it). On Python 3.11,
+    ``asyncio.wait_for``, which redis-py sends each command under, swallows a cancellation
+    that lands in the turn its send ends; the reservation runs in the caller's task, so the
+    guard must notice it. (anyio's scopes cancel again at the next await, and a timeout's
+    cancellation may come after the call ended: a plain cancel is the one to check.)"""
+    store = async_redis_store
+    idem = AsyncIdempotency(store, Policy(lease=timedelta(minutes=10)))
+    ran: list[str] = []
+
+    async def call(key: str) -> Any:
+        async with idem.once(key, operation=OPERATION) as attempt:
+            if not attempt.replayed:
+                ran.append(key)
+                attempt.result = "done"
+        return attempt.result
+
+    await call("k-warm")  # the token clock's first TIME and the kept connection
+    turns = 0
+    while True:
+        key = f"k-turn-{turns}"
+        task = asyncio.ensure_future(call(key))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        if task.done():
+            break  # the call is shorter than this many turns: every turn was tried
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        record = await store.get(Scope.of(key, operation=OPERATION))
+        left = record.status if record else None
+        assert left is (Status.COMPLETED if key in ran else None), (turns, left)
+        turns += 1
+    await task
+    assert turns > 3
+
+
 # Where the cancellation lands in a takeover of an expired attempt that recorded a step,
 # and on whose clock: the reserve script sent and its reply on its way, its reply read, and
 # (on a given clock) the listing that follows the takeover.

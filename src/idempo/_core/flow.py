@@ -671,10 +671,20 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
                     done = perform(op)  # type: ignore[arg-type] # never Execute
                     # `_Cancellation.complete`'s first test, inlined: most verbs (the memory
                     # store's) cannot suspend, and run here in one step.
-                    if _SUSPENDS.get(getattr(done, "cr_code", None)) is False or (
-                        undoes and held.error is None and isinstance(op, Reserve)
-                    ):
+                    if _SUSPENDS.get(getattr(done, "cr_code", None)) is False:
                         result = await done
+                    elif undoes and held.error is None and isinstance(op, Reserve):
+                        # In the caller's own task: a cancellation that reaches the
+                        # reservation is the store's to undo. One that an await inside it
+                        # swallowed still counts in the task (Python 3.11's
+                        # `asyncio.wait_for`, which redis-py sends each command under, drops
+                        # one that lands as its send ends): held here, as the shield would
+                        # hold it, so the flow gives back what was reserved, then raises it.
+                        task = cast("asyncio.Task[Any]", asyncio.current_task())
+                        asked = task.cancelling()
+                        result = await done
+                        if task.cancelling() > asked:
+                            held = _Cancellation(asyncio.CancelledError())
                     else:
                         if held is _NOTHING_HELD:
                             held = _Cancellation(None)
