@@ -625,7 +625,7 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded call
+async def apump(  # noqa: PLR0912, PLR0915 - one loop, inlined: it runs on every guarded call
     flow: Flow,
     unit: Performer,
     policy: Policy,
@@ -679,12 +679,15 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
                         # swallowed still counts in the task (Python 3.11's
                         # `asyncio.wait_for`, which redis-py sends each command under, drops
                         # one that lands as its send ends): held here, as the shield would
-                        # hold it, so the flow gives back what was reserved, then raises it.
+                        # hold it, so the flow gives back what was reserved, then raises it
+                        # (over a store error too, as after the shield).
                         task = cast("asyncio.Task[Any]", asyncio.current_task())
                         asked = task.cancelling()
-                        result = await done
-                        if task.cancelling() > asked:
-                            held = _Cancellation(asyncio.CancelledError())
+                        try:
+                            result = await done
+                        finally:
+                            if task.cancelling() > asked:
+                                held = _Cancellation(asyncio.CancelledError())
                     else:
                         if held is _NOTHING_HELD:
                             held = _Cancellation(None)
