@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import pytest
 import redis
 
@@ -379,19 +380,23 @@ async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
 
 @pytest.mark.redis
 @pytest.mark.anyio
+@pytest.mark.parametrize("how", ["task-cancel", "anyio-scope-cancel"])
 async def test_a_redis_call_cancelled_at_any_turn_of_the_loop_sees_it_and_frees_the_key(
-    async_redis_store: Any,
+    async_redis_store: Any, how: str
 ) -> None:
-    """``task.cancel()`` after any number of turns of the loop into a guarded call on Redis,
-    wherever it lands: the caller sees its cancellation, and the key is either free (the
-    work did not run) or completed (the cancellation came after it). On Python 3.11,
+    """A cancellation requested at once (``task.cancel()``, an anyio scope's ``cancel()``)
+    after any number of turns of the loop into a guarded call on Redis, wherever it lands:
+    the caller sees it (an anyio scope's, unless the call ends first), its task is not left
+    cancelling, and the key is either free (the work did not run) or completed (the
+    cancellation came after it). On Python 3.11,
     ``asyncio.wait_for``, which redis-py sends each command under, swallows a cancellation
     that lands in the turn its send ends; the reservation runs in the caller's task, so the
-    guard must notice it. (anyio's scopes cancel again at the next await, and a timeout's
-    cancellation may come after the call ended: a plain cancel is the one to check.)"""
+    guard must notice it. (A deadline's cancellation may come after the call ended: these
+    two are requested when fired.)"""
     store = async_redis_store
     idem = AsyncIdempotency(store, Policy(lease=timedelta(minutes=10)))
     ran: list[str] = []
+    scopes: list[anyio.CancelScope] = []
 
     async def call(key: str) -> Any:
         async with idem.once(key, operation=OPERATION) as attempt:
@@ -400,18 +405,35 @@ async def test_a_redis_call_cancelled_at_any_turn_of_the_loop_sees_it_and_frees_
                 attempt.result = "done"
         return attempt.result
 
+    async def scoped(key: str) -> Any:
+        try:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                return await call(key)
+            return "moved on"
+        finally:
+            me = asyncio.current_task()
+            assert me is not None
+            assert me.cancelling() == 0, "the scope's cancellation was not taken back"
+
     await call("k-warm")  # the token clock's first TIME and the kept connection
-    turns = 0
+    turns = 0 if how == "task-cancel" else 1  # a scope exists once its task has started
     while True:
         key = f"k-turn-{turns}"
-        task = asyncio.ensure_future(call(key))
+        task = asyncio.ensure_future(call(key) if how == "task-cancel" else scoped(key))
         for _ in range(turns):
             await asyncio.sleep(0)
         if task.done():
             break  # the call is shorter than this many turns: every turn was tried
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        if how == "task-cancel":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            scopes[-1].cancel()
+            # Delivered at the next await that suspends: a call that reaches none first ends.
+            outcome = await task
+            assert outcome == "moved on" or key in ran, (turns, outcome)
         record = await store.get(Scope.of(key, operation=OPERATION))
         left = record.status if record else None
         assert left is (Status.COMPLETED if key in ran else None), (turns, left)
