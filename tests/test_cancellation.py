@@ -14,14 +14,23 @@ cancellation, and its task is not left cancelling.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import pytest
 import redis
 
 from faults import STEP, Canceller, Gate
-from idempo import AsyncIdempotency, Policy, RequestInProgressError, Scope, Status
+from idempo import (
+    AsyncIdempotency,
+    FencedError,
+    Policy,
+    RequestInProgressError,
+    Scope,
+    Status,
+)
 from idempo.stores.sqlite import AsyncSQLiteStore
 
 OPERATION = "test.cancel"
@@ -237,6 +246,87 @@ async def test_a_sqlite_reserve_cancelled_in_its_thread_commits_nothing(
     assert await store.get(scope) is None
 
 
+class RedisGate:
+    """Holds the first call of an `AsyncRedisStore` that ``holds`` picks, at a ``moment``:
+    ``before`` it is started, once it is ``answered`` (its reply read), or ``in-flight`` (its
+    command sent, its reply owed: the first command ``on_wire`` picks, on the store's lane);
+    ``listing`` is ``before`` for the listing's pipeline. ``seen``: the task that reached it.
+    Once the gate has held a call, every call passes freely."""
+
+    def __init__(
+        self,
+        store: Any,
+        monkeypatch: pytest.MonkeyPatch,
+        moment: str,
+        holds: Callable[[Any], bool],
+        on_wire: Callable[[bytes], bool],
+    ) -> None:
+        from idempo.stores.redis import _lane
+
+        self.entered, self.opened = asyncio.Event(), asyncio.Event()
+        self.seen: list[asyncio.Task[Any] | None] = []
+        self._holds, self._on_wire = holds, on_wire
+        self._before = moment in ("before", "listing")
+        self._start, self._send = store._start, _lane._asend
+        if moment == "in-flight":
+            monkeypatch.setattr(_lane, "_asend", self._in_flight)
+        else:
+            monkeypatch.setattr(store, "_start", self._gated)
+
+    async def _hold(self) -> None:
+        self.seen.append(asyncio.current_task())
+        self.entered.set()
+        await self.opened.wait()
+
+    def _gated(self, call: Any) -> Any:
+        if self.entered.is_set() or not self._holds(call):
+            return self._start(call)
+        return self._held(call)
+
+    async def _held(self, call: Any) -> Any:
+        if self._before:
+            await self._hold()
+        reply = await self._start(call)
+        if not self._before:
+            await self._hold()
+        return reply
+
+    async def _in_flight(self, conn: Any, packed: bytes) -> Any:
+        if self.entered.is_set() or not self._on_wire(packed):
+            return await self._send(conn, packed)
+        await conn.send_packed_command(packed)
+        await self._hold()  # cancelled here, the reply is owed as when the lane's read is
+        return await conn.read_response(disconnect_on_error=False)
+
+    async def cancel(
+        self, kind: str, call: Callable[[], Awaitable[Any]], read: Callable[[], Any]
+    ) -> Any:
+        """Run ``call`` under ``kind`` of cancellation, fire it once the gate holds a call of
+        the caller's own task, then open the gate: what ``read`` (a blocking read of the
+        record) found at the instant the caller heard its cancellation, with no turn of the
+        loop in between (so what the cancellation left, not what an undo in the background
+        leaves later)."""
+        found: list[Any] = []
+
+        async def watched() -> Any:
+            try:
+                return await call()
+            except BaseException:
+                found.append(read())
+                raise
+
+        canceller = Canceller(kind)
+        task = await canceller.run(watched)
+        await asyncio.wait_for(self.entered.wait(), STEP)
+        assert self.seen == [task], "the reservation ran in a task of its own"
+        canceller.fire()
+        await turns()
+        self.opened.set()
+        await canceller.outcome(task)
+        assert len(found) == 1
+        return found[0]
+
+
 # Where the cancellation lands in a Redis reservation: before its SET is sent, with the SET
 # sent and its reply on its way, with the reply read, and (on a given clock) in the listing
 # that follows a reservation taken.
@@ -255,89 +345,203 @@ async def test_a_redis_reserve_cancelled_under_way_leaves_nothing_held(
     moment: str,
 ) -> None:
     """A caller cancelled at any moment of its Redis reservation finds the key free once it
-    sees its cancellation, and a retry runs the work."""
-    from idempo.stores.redis import _lane
+    sees its cancellation, and a retry runs the work. The reservation runs in the caller's
+    own task (`AsyncRedisStore.undoes_cancelled_reserve`), so the cancellation cuts it short
+    and the store's undo is what frees the key."""
     from idempo.stores.redis._ops import Batch, Command
 
     store = async_redis_store
-    entered, opened = asyncio.Event(), asyncio.Event()
 
-    async def hold() -> None:
-        entered.set()
-        await opened.wait()
-
-    def gated(call: Any) -> bool:
-        if entered.is_set():
-            return False  # the retry passes freely
+    def holds(call: Any) -> bool:
         if moment == "listing":
             return isinstance(call, Batch)
         return isinstance(call, Command) and call.name == "execute_command"
 
-    start = store._start
-
-    async def held(call: Any, before: bool) -> Any:
-        if before:
-            await hold()
-        reply = await start(call)
-        if not before:
-            await hold()
-        return reply
-
-    def gated_start(call: Any) -> Any:
-        if not gated(call):
-            return start(call)
-        return held(call, moment in ("before", "listing"))
-
-    send = _lane._asend
-
-    async def in_flight(conn: Any, packed: bytes) -> Any:
-        if entered.is_set():
-            return await send(conn, packed)
-        await conn.send_packed_command(packed)
-        try:
-            await hold()
-        except asyncio.CancelledError:
-            await conn.disconnect()  # as redis-py's read does when it is cancelled
-            raise
-        return await conn.read_response()
-
-    if moment == "in-flight":
-        monkeypatch.setattr(_lane, "_asend", in_flight)
-    else:
-        monkeypatch.setattr(store, "_start", gated_start)
+    gate = RedisGate(store, monkeypatch, moment, holds, on_wire=lambda packed: True)
     clock = _now if moment == "listing" else None
     idem = AsyncIdempotency(store, Policy(lease=timedelta(minutes=10), clock=clock))
     scope = Scope.of("k-redis-cancel", operation=OPERATION)
     ran: list[str] = []
 
-    found: list[bytes | None] = []
-
     async def call() -> Any:
-        try:
-            async with idem.once(scope.key, operation=OPERATION) as attempt:
-                if not attempt.replayed:
-                    ran.append("ran")
-                    attempt.result = "done"
-        except BaseException:
-            # Read at once, with no turn of the loop in between: the state the caller's
-            # cancellation leaves, not what an undo in the background leaves later.
-            found.append(reader.get(store._keys.key(scope)))
-            raise
+        async with idem.once(scope.key, operation=OPERATION) as attempt:
+            if not attempt.replayed:
+                ran.append("ran")
+                attempt.result = "done"
         return attempt.result
 
     with redis.Redis.from_url(redis_url) as reader:
-        canceller = Canceller(kind)
-        task = await canceller.run(call)
-        await asyncio.wait_for(entered.wait(), STEP)
-        canceller.fire()
-        await turns()
-        opened.set()
-        await canceller.outcome(task)
+        found = await gate.cancel(kind, call, lambda: reader.get(store._keys.key(scope)))
     assert ran == []
-    assert len(found) == 1
-    assert found[0] is None or found[0][:1] == b"x", "the key was held when the caller heard"
+    assert found is None or found[:1] == b"x", "the key was held when the caller heard"
     assert await asyncio.wait_for(call(), STEP) == "done"
     assert ran == ["ran"]
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["task-cancel", "anyio-scope-cancel"])
+async def test_a_redis_call_cancelled_at_any_turn_of_the_loop_sees_it_and_frees_the_key(
+    async_redis_store: Any, how: str
+) -> None:
+    """A cancellation requested at once (``task.cancel()``, an anyio scope's ``cancel()``)
+    after any number of turns of the loop into a guarded call on Redis, wherever it lands:
+    the caller sees it (an anyio scope's, unless the call ends first), its task is not left
+    cancelling, and the key is either free (the work did not run) or completed (the
+    cancellation came after it). On Python 3.11,
+    ``asyncio.wait_for``, which redis-py sends each command under, swallows a cancellation
+    that lands in the turn its send ends; the reservation runs in the caller's task, so the
+    guard must notice it. (A deadline's cancellation may come after the call ended: these
+    two are requested when fired.)"""
+    store = async_redis_store
+    idem = AsyncIdempotency(store, Policy(lease=timedelta(minutes=10)))
+    ran: list[str] = []
+    scopes: list[anyio.CancelScope] = []
+
+    async def call(key: str) -> Any:
+        async with idem.once(key, operation=OPERATION) as attempt:
+            if not attempt.replayed:
+                ran.append(key)
+                attempt.result = "done"
+        return attempt.result
+
+    async def scoped(key: str) -> Any:
+        try:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                return await call(key)
+            return "moved on"
+        finally:
+            me = asyncio.current_task()
+            assert me is not None
+            assert me.cancelling() == 0, "the scope's cancellation was not taken back"
+
+    await call("k-warm")  # the token clock's first TIME and the kept connection
+    turns = 0 if how == "task-cancel" else 1  # a scope exists once its task has started
+    while True:
+        key = f"k-turn-{turns}"
+        task = asyncio.ensure_future(call(key) if how == "task-cancel" else scoped(key))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        if task.done():
+            break  # the call is shorter than this many turns: every turn was tried
+        if how == "task-cancel":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            scopes[-1].cancel()
+            # Delivered at the next await that suspends: a call that reaches none first ends.
+            outcome = await task
+            assert outcome == "moved on" or key in ran, (turns, outcome)
+        record = await store.get(Scope.of(key, operation=OPERATION))
+        left = record.status if record else None
+        assert left is (Status.COMPLETED if key in ran else None), (turns, left)
+        turns += 1
+    await task
+    assert turns > 3
+
+
+# Where the cancellation lands in a takeover of an expired attempt that recorded a step,
+# and on whose clock: the reserve script sent and its reply on its way, its reply read, and
+# (on a given clock) the listing that follows the takeover.
+TAKEOVER_MOMENTS = [
+    pytest.param("in-flight", "given", id="in-flight-given"),
+    pytest.param("in-flight", "redis", id="in-flight-redis"),
+    pytest.param("answered", "given", id="answered-given"),
+    pytest.param("answered", "redis", id="answered-redis"),
+    pytest.param("listing", "given", id="listing-given"),
+]
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("moment", "clock"), TAKEOVER_MOMENTS)
+async def test_a_redis_takeover_of_committed_steps_cancelled_under_way_is_free_at_once(
+    async_redis_store: Any,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    moment: str,
+    clock: str,
+) -> None:
+    """A caller cancelled while its reservation takes over an expired attempt that recorded
+    a step: the record and its step stay (they committed), and its lease is over when the
+    caller hears its cancellation. So a retry right after takes over at once (no 409 for a
+    lease) and resumes after the step, and the stalled first attempt's completion is
+    refused."""
+    from idempo.stores.redis._ops import Batch, Run
+    from idempo.stores.redis._protocol import decode
+    from idempo.stores.redis._scripts import RESERVE
+    from idempo.testing import FakeClock
+
+    store = async_redis_store
+    fake = FakeClock() if clock == "given" else None
+    stalled_lease = timedelta(minutes=1) if fake else timedelta(milliseconds=100)
+    first = AsyncIdempotency(store, Policy(lease=stalled_lease, clock=fake))
+    idem = AsyncIdempotency(store, Policy(lease=timedelta(minutes=10), clock=fake))
+    scope = Scope.of("k-redis-steps", operation=OPERATION)
+    checkpointed, stalled_on = asyncio.Event(), asyncio.Event()
+
+    async def stalled() -> None:
+        async with first.once(scope.key, operation=OPERATION) as attempt:
+            await attempt.checkpoint("step-1")
+            checkpointed.set()
+            await stalled_on.wait()
+            attempt.result = "stale"
+
+    def holds(call: Any) -> bool:
+        if moment == "listing":
+            return isinstance(call, Batch)
+        return isinstance(call, Run) and call.script == RESERVE
+
+    ran: list[tuple[str, ...]] = []
+
+    async def call() -> Any:
+        async with idem.once(scope.key, operation=OPERATION) as attempt:
+            if not attempt.replayed:
+                ran.append(attempt.steps)
+                attempt.result = "resumed"
+        return attempt.result
+
+    stalling = asyncio.ensure_future(stalled())
+    try:
+        await asyncio.wait_for(checkpointed.wait(), STEP)
+        if fake is None:
+            await asyncio.sleep(0.2)  # past the stalled lease on Redis's clock (longer is as good)
+        else:
+            fake.advance(timedelta(minutes=2))
+        # Loaded before the gate: a first EVALSHA answered NOSCRIPT would be the one held.
+        await store.client.script_load(store._scripts[RESERVE].script)
+        gate = RedisGate(
+            store, monkeypatch, moment, holds, on_wire=lambda packed: b"EVALSHA" in packed[:32]
+        )
+        with redis.Redis.from_url(redis_url) as reader:
+            found = await gate.cancel(kind, call, lambda: reader.get(store._keys.key(scope)))
+        assert ran == []
+        assert found is not None
+        left = decode(found, scope).record
+        assert left is not None
+        assert (left.status, left.recovery_point is not None) == (Status.IN_PROGRESS, True)
+        assert left.lease_expires_at is not None
+        assert left.lease_expires_at <= left.updated_at, "the key was held when the caller heard"
+
+        try:
+            assert await asyncio.wait_for(call(), STEP) == "resumed"
+        except RequestInProgressError:
+            pytest.fail("the cancelled takeover left its key in progress for a lease")
+        assert ran == [("step-1",)]
+        stalled_on.set()
+        with pytest.raises(FencedError):
+            await asyncio.wait_for(stalling, STEP)
+        record = await store.get(scope)
+        assert record is not None
+        assert record.status is Status.COMPLETED
+        assert await asyncio.wait_for(call(), STEP) == "resumed"  # replayed
+        assert ran == [("step-1",)]
+    finally:
+        stalling.cancel()  # a failed check leaves it stalled
 
 
 def _now() -> datetime:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import multiprocessing
 import secrets
 import threading
@@ -18,7 +19,7 @@ import redis.asyncio
 
 from idempo import Idempotency
 from idempo._core.keys import Scope
-from idempo._core.record import Acquired
+from idempo._core.record import Acquired, Replay
 from idempo.stores.redis import AsyncRedisStore, RedisStore
 
 pytestmark = pytest.mark.redis
@@ -180,6 +181,38 @@ async def test_a_cancelled_async_call_leaves_no_reply_for_the_next(async_store: 
         # next call on the kept connection reads its own reply.
         assert isinstance(await areserve(async_store, f"fresh{n}"), Acquired)
         assert not isinstance(await areserve(async_store, f"fresh{n}"), Acquired)
+
+
+async def _done(value: Any) -> Any:
+    """A verb's result on either face."""
+    return await value if inspect.isawaitable(value) else value
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("face", ["sync", "async"])
+async def test_a_script_the_server_lost_is_loaded_again_and_run(face: str) -> None:
+    """A server that lost its scripts (a restart, ``SCRIPT FLUSH``) answers NOSCRIPT: the
+    store loads the script and runs it again (the async store on its lane). On a private
+    server: flushing the machine's would make other suites' first scripts reload."""
+    from redis_servers import free_ports, installed, redis_server
+
+    if installed():
+        pytest.skip(f"no redis-server to start: {installed()}")
+    (port,) = free_ports(1)
+    s = Scope("", "pay", "k-lost")
+    with redis_server(port):
+        url = f"redis://127.0.0.1:{port}/0"
+        store = (RedisStore if face == "sync" else AsyncRedisStore)(url, prefix="lane")
+        try:
+            reserved = await _done(store.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL))
+            assert isinstance(reserved, Acquired)
+            await _done(store.client.script_flush())
+            await _done(store.complete(s, reserved.token, b"ok", now=None, ttl=TTL))
+            replay = await _done(store.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL))
+        finally:
+            await _done(store.close() if isinstance(store, RedisStore) else store.aclose())
+    assert isinstance(replay, Replay)
+    assert replay.record.response == b"ok"
 
 
 @pytest.mark.anyio

@@ -508,6 +508,79 @@ async def test_a_lease_ended_on_redis_clock_is_taken_over_and_the_stale_holder_f
     assert (replay.record.token, replay.record.response) == (taken.token, b"winner")
 
 
+def _tapped(flow: _ops.Flow, calls: list[_ops.Call]) -> _ops.Flow:
+    """``flow``, with each call it makes kept in ``calls``."""
+    try:
+        call = next(flow)
+        while True:
+            calls.append(call)
+            call = flow.send((yield call))
+    except StopIteration as stop:
+        return stop.value
+
+
+def _one(call: _ops.Call) -> _ops.Flow:
+    return (yield call)
+
+
+@pytest.mark.parametrize("clock", ["given", "redis"])
+@pytest.mark.parametrize("point", [None, "step-1"])
+async def test_a_takeover_undone_by_its_nonce_ends_its_lease_and_keeps_the_steps(
+    face: Face, clock: str, point: str | None
+) -> None:
+    """The undo of a reservation whose caller never heard the answer (its release by the
+    nonce it wrote), after it took over an expired attempt: a record with a recovery point
+    stays, with its point, its lease ended and the undone holder's token fenced out, so the
+    next attempt takes it over at once, past that token, and resumes from the point; a
+    record without one is released. The old holder stays fenced either way."""
+    s = scope()
+    start = None if clock == "redis" else datetime.now(UTC)
+    short = timedelta(milliseconds=1)
+    stale = await acquire(face, s, now=start, lease=short)
+    if point is not None:
+        await face.checkpoint(s, stale, point, now=start, lease=short)
+    later = None
+    if start is None:
+        await anyio.sleep(0.05)  # past the lease on Redis's clock (any longer is as good)
+    else:
+        later = start + timedelta(minutes=1)
+
+    calls: list[_ops.Call] = []
+    keys = face.store._keys
+    taken = await face._drive(_tapped(_ops.reserve(keys, s, "fp", later, LEASE, TTL), calls))
+    assert isinstance(taken, Acquired)
+    assert taken.taken_over
+    assert taken.recovery_point == point
+    # Every call of the reservation is undone by the same release: the reservation's nonce.
+    assert len({getattr(call, "reserves", None) for call in calls} - {None}) == 1
+    undo = _ops.undo(calls[-1])
+    assert undo is not None
+    assert await face._drive(_one(undo)) == 1
+    assert await face._drive(_one(undo)) == 0  # a repeat finds nothing
+
+    record = await face.get(s)
+    if point is None:
+        assert record is None
+    else:
+        assert record is not None
+        assert (record.status, record.recovery_point) == (Status.IN_PROGRESS, point)
+        assert record.token > taken.token
+    for holder in (stale, taken.token):
+        for settle in (face.complete, face.fail):
+            with pytest.raises(FencedError):
+                await settle(s, holder, b"zombie", now=later, ttl=TTL)
+        with pytest.raises(FencedError):
+            await face.renew(s, holder, now=later, lease=LEASE)
+    again = await face.reserve(s, "fp", now=later, lease=LEASE, ttl=TTL)
+    assert isinstance(again, Acquired), again
+    assert again.token > taken.token
+    assert again.recovery_point == point
+    await face.complete(s, again.token, b"resumed", now=later, ttl=TTL)
+    replay = await face.reserve(s, "fp", now=later, lease=LEASE, ttl=TTL)
+    assert isinstance(replay, Replay)
+    assert (replay.record.token, replay.record.response) == (again.token, b"resumed")
+
+
 async def test_a_released_key_keeps_its_token_floor(face: Face) -> None:
     """A release leaves a tombstone with the released token until the record's retention
     ends: get, stats and scan see no record, and the next reservation takes a larger token

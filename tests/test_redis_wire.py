@@ -427,6 +427,55 @@ async def test_cancelled_reserve_leaves_neither_a_reply_in_the_pool_nor_the_key_
     assert isinstance(await store.reserve(scope(), "fp", now=None, lease=LEASE, ttl=TTL), Acquired)
 
 
+class Charge:
+    """A guarded charge of one key on ``store``; ``runs`` counts its executions."""
+
+    def __init__(self, store: AsyncRedisStore) -> None:
+        self.idem = AsyncIdempotency(store)
+        self.runs = 0
+
+    async def __call__(self) -> None:
+        async with self.idem.once("k-1", operation="charge", principal="alice") as attempt:
+            if not attempt.replayed:
+                self.runs += 1
+                attempt.result = "charged"
+
+
+async def test_a_guarded_reserve_cancelled_on_its_way_is_undone_after_it_lands(
+    aface: Face, proxy: Proxy, direct: RedisStore
+) -> None:
+    """A guarded call cancelled while its reservation is still on its way to Redis (held in
+    the network): the undo leaves only once the reservation's reply has been read, so it
+    reaches Redis after the reservation, whichever connection each travels on, and the key
+    is free when the caller hears its cancellation. An undo sent at once on another
+    connection would overtake it, find nothing, and leave the key held for a lease."""
+    store = aface.store
+    assert isinstance(store, AsyncRedisStore)
+    charge = Charge(store)
+    on_its_way = proxy.trap(aface.needle("reserve"), "hold-command")
+    overtaking = proxy.trap(aface.needle("release"), "hold-reply")
+
+    task = asyncio.ensure_future(charge())
+    try:
+        await reading(task, on_its_way)
+        task.cancel()
+        # An undo that does not wait for the reservation gets the time to overtake it (a
+        # bounded wait for what must not happen), then the reservation lands.
+        overtook = await anyio.to_thread.run_sync(overtaking.sprung.wait, 0.5)
+        overtaking.go.set()
+        on_its_way.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        found = direct.get(scope())
+    finally:
+        on_its_way.go.set()
+        overtaking.go.set()
+    assert not overtook, "the undo reached Redis before the reservation it undoes"
+    assert found is None, "the key was held when the caller heard"
+    await charge()
+    assert charge.runs == 1
+
+
 async def test_a_guarded_reserve_whose_reply_timed_out_is_undone_by_its_nonce(
     proxy: Proxy, direct: RedisStore, redis_url: str, redis_prefix: str
 ) -> None:
@@ -436,16 +485,8 @@ async def test_a_guarded_reserve_whose_reply_timed_out_is_undone_by_its_nonce(
     work at once instead of answering "in progress" until the lease ends."""
     _load_scripts(redis_url)
     store = AsyncRedisStore(proxy.url, prefix=redis_prefix, socket_timeout=0.5)
-    idem = AsyncIdempotency(store)
+    charge = Charge(store)
     trap = proxy.trap(Face(store).needle("reserve"), "hold-reply")
-    runs = 0
-
-    async def charge() -> None:
-        nonlocal runs
-        async with idem.once("k-1", operation="charge", principal="alice") as attempt:
-            if not attempt.replayed:
-                runs += 1
-                attempt.result = "charged"
 
     try:
         with pytest.raises(StoreUnavailableError):
@@ -459,7 +500,7 @@ async def test_a_guarded_reserve_whose_reply_timed_out_is_undone_by_its_nonce(
     finally:
         trap.go.set()
         await store.aclose()
-    assert runs == 1
+    assert charge.runs == 1
 
 
 @pytest.mark.parametrize("cancel", CANCELS)

@@ -385,10 +385,23 @@ class StoreVerbs(Verbs):
 
 
 class AsyncStoreVerbs(Verbs):
-    """An async store used directly."""
+    """An async store used directly.
 
-    __slots__ = ()
+    ``undoes_cancelled_reserve``: whether the store promises that its ``reserve``, cancelled
+    under way, leaves nothing held once it has raised (it undoes what it may have reserved,
+    and the undo reaches the store after the reserve): `apump` then awaits it with no task
+    of its own. Only a store whose class declares it can promise it (a wrapper that forwards
+    attributes to such a store, a cache or a test's gate, promises nothing); the store's own
+    value says whether it does (one may, another of its class not).
+    """
+
+    __slots__ = ("undoes_cancelled_reserve",)
     discards = False
+
+    def __init__(self, target: Any) -> None:
+        super().__init__(target)
+        declared = hasattr(type(target), "undoes_cancelled_reserve")
+        self.undoes_cancelled_reserve = declared and target.undoes_cancelled_reserve is True
 
     async def discard(self) -> bool:
         return False
@@ -614,7 +627,7 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded call
+async def apump(  # noqa: PLR0912, PLR0915 - one loop, inlined: it runs on every guarded call
     flow: Flow,
     unit: Performer,
     policy: Policy,
@@ -630,12 +643,19 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
     the flow releases the key, then the cancellation propagates. The flow's StopIteration is
     caught here: one that escaped a coroutine would turn into a RuntimeError (PEP 479).
 
-    A reservation too: cut short, a takeover of an attempt whose steps committed would hold
-    the key for a lease, where the flow, told after it, ends that lease at once.
+    A reservation is the one operation that may be cut short instead, on a store that
+    undoes a cancelled reserve itself (`AsyncStoreVerbs.undoes_cancelled_reserve`): it is
+    awaited in the caller's task, and its cancellation reaches the flow once nothing is held
+    (a takeover of an attempt whose steps committed is left with its lease ended, as the
+    flow's own checkpoint would leave it). The guard's other operations settle what a
+    reservation took, and no store can undo those: they stay shielded.
     """
     # Made when first needed (an operation that may suspend): most calls never hold one.
     held = _NOTHING_HELD if cancelled is None else _Cancellation(cancelled)
     perform = unit.perform
+    # Only the verbs in front of a store used directly may skip the shield: a unit that
+    # forwards attributes to such a store (a cache, an observer) promises nothing itself.
+    undoes = type(unit) is AsyncStoreVerbs and unit.undoes_cancelled_reserve
     try:
         while held.error is not None or not isinstance(op, Execute):
             if held.error is not None and isinstance(op, Execute | Sleep):
@@ -651,6 +671,21 @@ async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded 
                     # store's) cannot suspend, and run here in one step.
                     if _SUSPENDS.get(getattr(done, "cr_code", None)) is False:
                         result = await done
+                    elif undoes and held.error is None and isinstance(op, Reserve):
+                        # In the caller's own task: a cancellation that reaches the
+                        # reservation is the store's to undo. One that an await inside it
+                        # swallowed still counts in the task (Python 3.11's
+                        # `asyncio.wait_for`, which redis-py sends each command under, drops
+                        # one that lands as its send ends): held here, as the shield would
+                        # hold it, so the flow gives back what was reserved, then raises it
+                        # (over a store error too, as after the shield).
+                        task = cast("asyncio.Task[Any]", asyncio.current_task())
+                        asked = task.cancelling()
+                        try:
+                            result = await done
+                        finally:
+                            if task.cancelling() > asked:
+                                held = _Cancellation(asyncio.CancelledError())
                     else:
                         if held is _NOTHING_HELD:
                             held = _Cancellation(None)

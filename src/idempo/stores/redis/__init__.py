@@ -31,13 +31,19 @@ fresh nonce inside its record, and a re-sent reserve that finds its own reservat
 same token back rather than "in progress"; a repeated complete/fail with the same token,
 status and response succeeds without a change; a repeated renew extends the lease again; a
 repeated release finds nothing, because tokens are never reused. A reserve whose answer the
-async store never got (the caller was cancelled, or the connection failed) is undone in the
-background by its nonce, so it does not hold the key for a lease with no one to settle it
-(unless its command was still on its way and reaches Redis after the undo: then its lease
-frees the key); `AsyncRedisStore.aclose` waits for those undos. The guard's own shield
-(every store call of a cancelled caller runs to its end) does not make this redundant: it
-cannot release a reservation whose reply was lost, and it gives up on a store that has not
-answered within its bound.
+async store never got (the caller was cancelled, or the connection failed) is undone by its
+nonce, so it does not hold the key for a lease with no one to settle it: a reservation is
+released, and one that took over an attempt's committed steps (a recovery point) keeps them,
+with its lease ended and its token fenced out (lua/release.lua). A cancelled caller waits
+for that undo, shielded and bounded as the guard's cleanup is; on the store's own client
+the undo leaves once the cancelled command's reply has been read, so it reaches Redis after
+that command. So the guard awaits a reservation on such a store in the caller's own task,
+without the task of its own that shields every other store call. After a connection
+failure the undo runs in the background (a command still on its way that reaches Redis
+after it holds the key until its lease ends); `AsyncRedisStore.aclose` waits for those
+undos. The guard's shield does not make the undo redundant: it cannot release a
+reservation whose reply was lost, and it gives up on a store that has not answered within
+its bound.
 
 **Time.** ``now=None`` (the default policy) means Redis's clock. A fresh reservation, a plain
 ``SET``, stores its lease and its key's PX as durations, and its times are derived from the

@@ -13,7 +13,7 @@ import redis.asyncio.cluster
 import redis.asyncio.retry
 import redis.exceptions
 
-from ..._core.flow import outlast
+from ..._core.flow import CLEANUP_TIMEOUT, outlast
 from ..._core.keys import Scope
 from ..._core.record import Record, Reservation, Status
 from ...errors import StoreUnavailableError
@@ -51,6 +51,14 @@ class AsyncRedisStore:
     waits for those undos.
     """
 
+    # What the above promises the guard, on the store's own client (its lane): a reserve
+    # cancelled under way leaves nothing held once it has raised (a takeover of committed
+    # steps is left with its lease ended, lua/release.lua), so the flow awaits it in the
+    # caller's task (`_core.flow.apump`), with no task of its own to shield it. The undo
+    # must reach Redis after the reserve: the lane reads the cancelled command's reply
+    # first, where a cluster's or an app's client could let the undo overtake it.
+    undoes_cancelled_reserve = False
+
     def __init__(
         self,
         url: str | None = None,
@@ -71,6 +79,7 @@ class AsyncRedisStore:
         self._cold = self._cluster
         self._scripts = {name: built.register_script(text) for name, text in SCRIPTS.items()}
         self._lane = async_lane_for(built, self._owned)
+        self.undoes_cancelled_reserve = self._lane is not None
         self._undoing: set[asyncio.Task[None]] = set()
         self._place = Place()
 
@@ -126,7 +135,10 @@ class AsyncRedisStore:
         try:
             return await send("EVALSHA", script.sha, len(run.keys), *run.keys, *run.args)
         except redis.exceptions.NoScriptError:
-            return await script(keys=run.keys, args=run.args)  # loads it, then runs it
+            # Loaded, then sent again on the lane: cancelled there, its reply is read before
+            # an undo leaves (`_best_effort`).
+            await self.client.script_load(script.script)
+            return await send("EVALSHA", script.sha, len(run.keys), *run.keys, *run.args)
 
     async def _pipelined(self, batch: Batch) -> Any:
         pipe = self.client.pipeline(transaction=False)
@@ -163,6 +175,10 @@ class AsyncRedisStore:
     async def _best_effort(self, call: Call) -> None:
         # If Redis cannot be reached now, the reservation's lease ends it.
         with contextlib.suppress(*ERRORS, OSError):
+            if self._lane is not None:
+                # The cancelled command's reply is read first: then the undo reaches Redis
+                # after what it undoes, though each may travel on a connection of its own.
+                await self._lane.settled(CLEANUP_TIMEOUT)
             await self._start(call)
 
     async def _drain(self) -> None:

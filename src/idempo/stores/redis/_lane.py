@@ -17,7 +17,9 @@ client.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -118,9 +120,20 @@ class Lane(_Kept):
 
 
 class AsyncLane(_Kept):
-    """`Lane` for redis-py's asyncio client. redis-py's asyncio connection disconnects
-    itself when a send or a read is interrupted (a cancellation among them), and there is no
-    suspension between the two, so no reply is ever left for the next caller."""
+    """`Lane` for redis-py's asyncio client.
+
+    A call cancelled while its reply is on the way keeps its connection out of use until
+    that reply has been read, in the background; `settled` waits for such replies. So a
+    command sent once they are read (the undo of a cancelled reservation, on whichever
+    connection) reaches Redis after the cancelled one, which a command on another connection
+    could overtake. Every other failure between the send and the read disconnects the
+    connection (redis-py's asyncio connection disconnects itself when a send is interrupted),
+    so no reply is ever left for the next caller.
+    """
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self._owed: set[asyncio.Task[None]] = set()
 
     async def call(self, *args: Any) -> Any:
         """`Lane.call`, awaited."""
@@ -129,12 +142,51 @@ class AsyncLane(_Kept):
             conn = await self._pool.get_connection()
         send = functools.partial(_asend, conn, self._pack(args))
         try:
-            return await conn.retry.call_with_retry(send, functools.partial(_drop, conn))
+            reply = await conn.retry.call_with_retry(send, functools.partial(_drop, conn))
+        except redis.exceptions.ResponseError:
+            self._idle.append(conn)  # Redis answered: the connection is in step
+            raise
+        except asyncio.CancelledError:
+            # Still connected: the command went whole (redis-py disconnects on a send cut
+            # short) and its reply is owed.
+            if conn.is_connected:
+                self._read_later(conn)
+            else:
+                self._idle.append(conn)
+            raise
+        except BaseException:
+            await conn.disconnect(nowait=True)  # a reply may come late (a timeout)
+            self._idle.append(conn)
+            raise
+        self._idle.append(conn)
+        return reply
+
+    def _read_later(self, conn: Any) -> None:
+        task = asyncio.get_running_loop().create_task(self._read_owed(conn))
+        self._owed.add(task)
+        task.add_done_callback(self._owed.discard)
+
+    async def _read_owed(self, conn: Any) -> None:
+        try:
+            # An error reply is read whole; any other failure (the connection's timeout
+            # among them) disconnected it.
+            with contextlib.suppress(Exception):
+                await conn.read_response()
         finally:
             self._idle.append(conn)
 
+    async def settled(self, within: float) -> None:
+        """Return once every reply owed to a cancelled call has been read, or ``within``
+        seconds later."""
+        if self._owed:
+            await asyncio.wait(tuple(self._owed), timeout=within)
+
     async def aclose(self) -> None:
-        """`Lane.close`, awaited."""
+        """`Lane.close`, awaited (the replies still owed are given up on)."""
+        for task in tuple(self._owed):
+            task.cancel()
+        if self._owed:
+            await asyncio.wait(tuple(self._owed))
         while self._idle:
             await self._pool.release(self._idle.pop())
 
@@ -151,7 +203,9 @@ def _send(conn: Any, packed: bytes) -> Any:
 
 async def _asend(conn: Any, packed: bytes) -> Any:
     await conn.send_packed_command(packed)
-    return await conn.read_response()
+    # `AsyncLane.call` decides what becomes of the connection when the read fails: a
+    # cancelled read leaves it connected, its reply still to read.
+    return await conn.read_response(disconnect_on_error=False)
 
 
 def lane_for(client: Any, owned: bool) -> Lane | None:
