@@ -627,7 +627,7 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def apump(  # noqa: PLR0912, PLR0915 - one loop, inlined: it runs on every guarded call
+async def apump(  # noqa: PLR0912 - one loop, inlined: it runs on every guarded call
     flow: Flow,
     unit: Performer,
     policy: Policy,
