@@ -97,6 +97,8 @@ class OpenTelemetryObserver:
         # may be later: the proxies then delegate), and are checked on each event.
         self._own_tracing = tracer_provider is not None
         self._own_metrics = meter_provider is not None
+        # Dormant while neither global provider is set, unless a provider of its own records.
+        self._quiet = not self._own_metrics and (not spans or not self._own_tracing)
         trace.get_tracer_provider()  # loads the one the environment names, if it names one
         metrics.get_meter_provider()
         meter = metrics.get_meter("idempo", version, meter_provider=meter_provider)
@@ -145,6 +147,14 @@ class OpenTelemetryObserver:
         """Whether every span and instrument would be a no-op now (the global providers are
         the API's own: no SDK is set up yet). The guard asks before each call and, while
         this says True, builds no event for it: the API alone costs next to nothing."""
+        if (
+            _GLOBALS_READABLE
+            and trace._TRACER_PROVIDER is None
+            and _metrics_internal._METER_PROVIDER is None
+        ):
+            # Neither global provider set (the usual state without an SDK), read in place:
+            # this runs before every guarded call.
+            return self._quiet
         if self._own_metrics or not _no_metrics():
             return False
         return not self._spans or (not self._own_tracing and _no_tracing())
@@ -287,6 +297,12 @@ def _no_metrics() -> bool:
 
 
 _UNKNOWN = object()
+# The API keeps each global provider in a module variable, None until one is set; read in
+# place where this version of the API has them (`dormant`).
+_GLOBALS_READABLE = (
+    getattr(trace, "_TRACER_PROVIDER", _UNKNOWN) is not _UNKNOWN
+    and getattr(_metrics_internal, "_METER_PROVIDER", _UNKNOWN) is not _UNKNOWN
+)
 
 
 # perf_counter and the wall clock advance together; one offset, taken once, maps the former
