@@ -20,7 +20,7 @@ import redis.asyncio
 from idempo import Idempotency
 from idempo._core.keys import Scope
 from idempo._core.record import Acquired, Replay
-from idempo.stores.redis import AsyncRedisStore, RedisStore
+from idempo.stores.redis import AsyncRedisStore, RedisStore, _protocol
 
 pytestmark = pytest.mark.redis
 
@@ -121,6 +121,38 @@ def test_after_a_fork_the_child_uses_connections_of_its_own(store: Any) -> None:
     assert isinstance(child_id, int), child_id
     assert child_id != parent_id
     assert reserve(store, "parent-again").token > 0  # the parent's socket is intact
+
+
+def _nonce(store: Any, key: str) -> bytes:
+    """The nonce of ``key``'s reservation, as its record holds it (header bytes 43-50)."""
+    name = _protocol.named(store._keys.prefix, Scope("", "pay", key))[0]
+    value = store.client.get(name)
+    assert value is not None
+    return bytes(value[42:50])
+
+
+def _child_reserves(store: Any, key: str, out: Any) -> None:
+    try:
+        reserve(store, key)
+        out.put(_nonce(store, key))
+    except BaseException as exc:  # reported to the parent
+        out.put(repr(exc))
+
+
+def test_a_forked_child_draws_nonces_of_its_own(store: Any) -> None:
+    """A reservation's nonce is how a re-sent reserve knows its own reservation: a child
+    that drew the same nonces as its parent could take the parent's reservation for its
+    own. They come from the random module, which reseeds in a forked child."""
+    reserve(store, "before-the-fork")
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_child_reserves, args=(store, "child-first", out))
+    child.start()
+    reserve(store, "parent-first")  # the parent's first draw after the fork, as the child's
+    child_nonce = out.get(timeout=30)
+    child.join(30)
+    assert isinstance(child_nonce, bytes), child_nonce
+    assert child_nonce != _nonce(store, "parent-first")
 
 
 def test_an_apps_client_carries_every_command_itself(redis_url: str) -> None:

@@ -112,8 +112,7 @@ class _Wheel:
 _ON_LOOP = "_idempo_renewals"
 
 
-def _wheel() -> _Wheel:
-    loop = asyncio.get_running_loop()
+def _wheel(loop: asyncio.AbstractEventLoop) -> _Wheel:
     wheel: _Wheel | None = getattr(loop, _ON_LOOP, None)
     if wheel is None:
         wheel = _Wheel(loop)
@@ -146,14 +145,17 @@ class Renewal:
         self._cancelled_work = False
 
     def start(self) -> None:
-        self._work = asyncio.current_task()
+        # The running loop asked once: on Python 3.11 every ask is a getpid() system call
+        # (a fork check), and current_task() without a loop asks again.
+        loop = asyncio.get_running_loop()
+        self._work = asyncio.current_task(loop)
         if self._work is not None:
             self._cancelling = self._work.cancelling()
-        self._schedule()
+        self._wheel = _wheel(loop)
+        self._wheel.add(self, self._every)
 
     def _schedule(self) -> None:
-        if self._wheel is None:
-            self._wheel = _wheel()
+        assert self._wheel is not None  # set by start
         self._wheel.add(self, self._every)
 
     def _due(self) -> None:

@@ -60,6 +60,19 @@ def _packed(encode: Callable[[Any], bytes], args: tuple[Any, ...]) -> bytes:
     return b"".join(parts)
 
 
+# How many forks this process is away from the one that imported this module: a lane
+# compares it with its own on every call, where asking getpid() would be a system call.
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks  # noqa: PLW0603 - one counter for the whole process, moved only by a fork
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class _Kept:
     """The connections a lane keeps between calls, by process: what both faces share."""
 
@@ -68,14 +81,14 @@ class _Kept:
         self._pack = packer(client.get_encoder())
         # Taken with pop() and given back with append(), each atomic: no lock is needed.
         self._idle: list[Any] = []
-        self._pid = os.getpid()
+        self._forks = _forks
 
     def _kept(self) -> Any:
         """A kept connection, or None when there is none to take."""
-        if self._pid != os.getpid():
+        if self._forks != _forks:
             # The parent's sockets are not this process's to use or to close.
             self._idle = []
-            self._pid = os.getpid()
+            self._forks = _forks
         try:
             return self._idle.pop()
         except IndexError:  # none kept (another thread may have taken the last one just now)

@@ -16,10 +16,10 @@ more pipeline after the write), which `purge` reads instead of scanning the keys
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from random import getrandbits
 from typing import Any
 
 from ..._core.keys import Scope
@@ -123,7 +123,9 @@ def reserve(
         clock.anchor(reply, sent, clock.ticks())
         token = clock.token()
         assert token is not None
-    nonce = os.urandom(8)
+    # Unique, not secret (it tells this reservation from another's): drawn from the random
+    # module, which reseeds in a forked child, with no system call as os.urandom makes.
+    nonce = getrandbits(64).to_bytes(8, "big")
     names = _protocol.named(keys.prefix, scope)
     key = names[0]
     value, px = keys.fresh(names, fingerprint, token, nonce, now, lease, ttl)
