@@ -45,12 +45,14 @@ import operator
 import re
 import weakref
 from collections.abc import Callable, Generator
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+import psycopg
 from psycopg import errors as pg_errors
 from psycopg import pq
-from psycopg.adapt import PyFormat, Transformer
+from psycopg.adapt import Transformer
 from psycopg.waiting import Ready, Wait
 
 _IDLE = pq.TransactionStatus.IDLE
@@ -60,7 +62,7 @@ _FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
 _PIPELINE_SYNC = pq.ExecStatus.PIPELINE_SYNC
 _ABORTED = pq.ExecStatus.PIPELINE_ABORTED
 _SQLSTATE = pq.DiagnosticField.SQLSTATE
-_TEXT, _BINARY = PyFormat.TEXT, PyFormat.BINARY
+_TEXT, _BINARY = pq.Format.TEXT, pq.Format.BINARY
 _WAIT_R, _WAIT_RW, _READY_R = Wait.R, Wait.RW, Ready.R
 _NAMED_PARAM = re.compile(r"(?<!:):([a-z_]+)")
 
@@ -114,27 +116,84 @@ def _values(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     return one
 
 
-def _formats(values: tuple[Any, ...]) -> list[PyFormat]:
-    """Every value in text, as psycopg sends it unless told, but bytes in binary: a bytea's
-    text form is twice its size, and a stored response may be large."""
-    if bytes not in map(type, values):
-        return _TEXTS[len(values)]
-    return [_BINARY if type(value) is bytes else _TEXT for value in values]
+def dumped(values: tuple[Any, ...], encoding: str) -> tuple[list[Any], list[pq.Format] | None]:
+    """The parameters' values as libpq sends them: text, as PostgreSQL reads each type's
+    literal, but bytes in binary (a bytea's text form is twice its size, and a stored
+    response may be large); and their formats (None: all text). Made here rather than by
+    psycopg's dumpers, which cost a lookup and an object each; the statements' parameters
+    are of these few types only."""
+    out: list[Any] = []
+    formats: list[pq.Format] | None = None
+    for i, value in enumerate(values):
+        kind = type(value)
+        if kind is str:
+            out.append(value.encode(encoding))
+        elif value is None:
+            out.append(None)
+        elif kind is int:
+            out.append(b"%d" % value)
+        elif kind is bytes:
+            if formats is None:
+                formats = [_TEXT] * len(values)
+            formats[i] = _BINARY
+            out.append(value)
+        else:
+            out.append(_literal(value))
+    return out, formats
 
 
-_TEXTS = [[_TEXT] * n for n in range(32)]
+@lru_cache(maxsize=128)
+def _interval(span: timedelta) -> bytes:
+    # Days as days, as psycopg sends a timedelta (a day added in a time zone with daylight
+    # saving is a calendar day).
+    return f"{span.days} days {span.seconds}.{span.microseconds:06d} seconds".encode()
+
+
+def _literal(value: Any) -> bytes:
+    """A value of the rarer types as PostgreSQL's text input reads it."""
+    if isinstance(value, timedelta):
+        return _interval(value)
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise TypeError("a naive datetime: the store's times are aware")
+        return value.isoformat().encode()
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if isinstance(value, int):  # an int subclass
+        return b"%d" % value
+    raise TypeError(f"no parameter of type {type(value).__name__} is sent this way")
+
+
+class _Context:
+    """What the Transformer of a session whose client encoding is not UTF-8 is made from:
+    psycopg's own adapters (the app's on its connection are for its statements), and the
+    connection for its encoding, by a weak reference, so that the session kept on the
+    connection makes no reference cycle that would keep a dropped connection open until the
+    next garbage collection."""
+
+    adapters = psycopg.adapters
+
+    def __init__(self, conn: Any) -> None:
+        self.connection = weakref.proxy(conn)
 
 
 class _Session:
     """What this module knows of one connection's session: the statements it prepared
-    there, and the connection's adapters (a Transformer is cheap to keep, not to make; it
-    holds the connection by a weak reference, so that keeping it on the connection makes no
-    cycle that would keep a dropped connection open until the next garbage collection)."""
+    there, the client encoding it was made for, and a Transformer that loads the rows (cheap
+    to keep, not to make).
+
+    Rows come in binary. In a UTF-8 session (the usual one) the Transformer is made with no
+    connection: it decodes text as UTF-8 and gives times in UTC, which is what the record's
+    decode wants (psycopg's, made with the connection, gives them in the session's time
+    zone, to be converted back: two conversions of each of the five times of a
+    reservation's row)."""
 
     def __init__(self, conn: Any) -> None:
         self.prepared: set[bytes] = set()
-        self.adapt = Transformer(weakref.proxy(conn))
+        self.client_encoding = conn.pgconn.parameter_status(b"client_encoding")
         self.encoding = conn.info.encoding
+        utf8 = self.client_encoding == b"UTF8"
+        self.adapt = Transformer(None if utf8 else _Context(conn))
 
 
 # The session of a connection, kept on it: a connection is one session for its life.
@@ -158,7 +217,7 @@ def exchange(conn: Any, pending: list[tuple[Any, Any]]) -> Generator[Any, Any, l
     holds the connection's lock."""
     pgconn = conn.pgconn
     session: _Session | None = getattr(conn, _SESSION, None)
-    if session is None:
+    if session is None or session.client_encoding != pgconn.parameter_status(b"client_encoding"):
         session = _Session(conn)
         setattr(conn, _SESSION, session)
     named = conn.prepare_threshold is not None
@@ -205,7 +264,7 @@ def _steps(
     steps: list[Step] = []
     if undo:
         steps.append((-1, undo, None, None, b""))
-    adapt = session.adapt
+    encoding = session.encoding
     prepared = session.prepared
     last = -1
     for i in range(start, len(pending)):
@@ -216,13 +275,12 @@ def _steps(
         if i == first and not undo:
             steps.append((-1, _SAFE, None, None, b""))
         query, name, take = compiled(sql)
-        values = take(params)
-        dumped = adapt.dump_sequence(values, _formats(values))
+        values, formats = dumped(take(params), encoding)
         if not named:
             name = b""
         elif name not in prepared:
             steps.append((-1, query, None, None, name))
-        steps.append((i, query, dumped, adapt.formats, name))
+        steps.append((i, query, values, formats, name))
         last = len(steps)
     if first >= 0 and last >= 0:
         after = steps[last][1] if last < len(steps) else None
@@ -238,11 +296,11 @@ def _roundtrip(pgconn: Any, steps: list[Step]) -> Generator[Any, Any, list[Any]]
     try:
         for at, sql, params, formats, name in steps:
             if not name:
-                pgconn.send_query_params(sql, params, None, formats)
+                pgconn.send_query_params(sql, params, None, formats, _BINARY)
             elif at < 0 and params is None:
                 pgconn.send_prepare(name, sql)
             else:
-                pgconn.send_query_prepared(name, params, formats)
+                pgconn.send_query_prepared(name, params, formats, _BINARY)
         pgconn.pipeline_sync()
         synced = True
         results: list[Any] = yield _communicate(pgconn)
