@@ -47,11 +47,12 @@ import weakref
 from collections.abc import Callable, Generator
 from datetime import datetime, timedelta
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import pq
+from psycopg.abc import AdaptContext
 from psycopg.adapt import Transformer
 from psycopg.waiting import Ready, Wait
 
@@ -193,7 +194,7 @@ class _Session:
         self.client_encoding = conn.pgconn.parameter_status(b"client_encoding")
         self.encoding = conn.info.encoding
         utf8 = self.client_encoding == b"UTF8"
-        self.adapt = Transformer(None if utf8 else _Context(conn))
+        self.adapt = Transformer(None if utf8 else cast(AdaptContext, _Context(conn)))
 
 
 # The session of a connection, kept on it: a connection is one session for its life.
