@@ -10,12 +10,13 @@ the pool only when the list is empty.
 What the pool is for still holds:
 
 * **Its size.** A kept connection is still checked out of the pool, so the pool never
-  makes more than its ``max_size``; every user of the store's pool takes a kept connection
-  first, so none of them waits for one the list holds.
+  makes more than its ``max_size``. Every user of the store's pool takes a kept connection
+  first, and while one waits on the pool, connections given back go to the pool, which
+  hands them to it: none waits for one the list holds.
 * **Its upkeep.** A connection goes back to the pool within `KEEP_SECONDS` of leaving it
-  (when it is taken after that, or when it lies unused at the bottom of the list), so the
-  pool's own expiry and shrinking apply to it, only that much later; a connection that is
-  broken, or left inside a transaction, goes back at once (the pool rolls back or
+  (when it is given back after that, or when it lies unused at the bottom of the list), so
+  the pool's own expiry and shrinking apply to it, only that much later; a connection that
+  is broken, or left inside a transaction, goes back at once (the pool rolls back or
   replaces it).
 * **A fork.** The parent's connections are not the child's to use: a child starts with an
   empty list.
@@ -42,47 +43,56 @@ Kept = tuple[Any, float]
 
 
 class KeptConnections:
-    """The list itself; the store's faces take from it and give back, and return to the
-    pool what it hands them (``take``'s and ``give``'s answers)."""
+    """The list itself, and who waits on the pool. The store's faces take a kept connection
+    first and give every connection back here; what ``give`` answers goes back to the
+    pool."""
 
     def __init__(self) -> None:
         # Taken with pop() and given back with append(), each atomic: no lock is needed.
         self._idle: list[Kept] = []
+        # One entry per caller waiting on the pool: a connection given back then goes to the
+        # pool, which hands it to a waiter (a kept one would leave it waiting).
+        self._waiting: list[None] = []
         self._pid = os.getpid()
         self.closed = False
 
-    def take(self) -> tuple[Kept | None, Any]:
-        """A kept connection fit for a call, or None; and a connection to give back to the
-        pool, or None (one kept too long, or broken: the pool replaces it)."""
+    def take(self) -> Kept | None:
+        """A kept connection and when it must go back to the pool, or None."""
         if self._pid != os.getpid():
             # The parent's sockets are not this process's to use or to close.
             self._idle = []
             self._pid = os.getpid()
         try:
-            kept = self._idle.pop()
+            return self._idle.pop()
         except IndexError:  # none kept (another thread may have taken the last one just now)
-            return None, None
-        conn, until = kept
-        if until < monotonic() or conn.pgconn.status != _OK:
-            return None, conn
-        return kept, None
+            return None
+
+    def waiting(self) -> None:
+        """A caller found none kept and is about to wait on the pool: it takes once more
+        after this (one may have been given back in between), and says `waited` after."""
+        self._waiting.append(None)
+
+    def waited(self) -> None:
+        self._waiting.pop()
 
     def give(self, conn: Any, until: float) -> Any:
         """Keep ``conn``, taken from the pool with ``until`` as its time; what to give back
-        to the pool now, or None: ``conn`` itself when it cannot be kept (closed, broken,
-        inside a transaction), or the connection longest unused when its time is up."""
+        to the pool now, or None: ``conn`` itself when it cannot be kept (its time is up,
+        it is closed, broken or inside a transaction), a kept one when someone waits on the
+        pool, or the one kept longest unused when its time is up."""
         pgconn = conn.pgconn
-        if self.closed or pgconn.status != _OK or pgconn.transaction_status != _IDLE:
+        if (
+            self.closed
+            or until < monotonic()
+            or pgconn.status != _OK
+            or pgconn.transaction_status != _IDLE
+        ):
             return conn
         idle, kept = self._idle, (conn, until)
         idle.append(kept)
         if self.closed:  # closed meanwhile: unless closing took it, it is the pool's again
-            try:
-                idle.remove(kept)
-            except ValueError:
-                return None
-            return conn
-        if idle[0][1] < monotonic():
+            return _removed(idle, kept)
+        if self._waiting or idle[0][1] < monotonic():
             try:
                 return idle.pop(0)[0]
             except IndexError:  # another thread took it
@@ -98,3 +108,11 @@ class KeptConnections:
         """Keep nothing from now on: what was kept, for the pool."""
         self.closed = True
         return self.drain()
+
+
+def _removed(idle: list[Kept], kept: Kept) -> Any:
+    try:
+        idle.remove(kept)
+    except ValueError:  # taken meanwhile
+        return None
+    return kept[0]

@@ -75,7 +75,7 @@ _SAFE = b"SAVEPOINT idempo_safe"
 _BACK_TO_SAFE = b"ROLLBACK TO SAVEPOINT idempo_safe"
 _SAFE_DONE = b"RELEASE SAVEPOINT idempo_safe"
 _ROLLBACK = b"ROLLBACK"
-_COMMITS = frozenset(("COMMIT", b"COMMIT"))
+_COMMIT = b"COMMIT"
 
 
 class Compiled(NamedTuple):
@@ -117,30 +117,29 @@ def _values(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     return one
 
 
-def dumped(values: tuple[Any, ...], encoding: str) -> tuple[list[Any], list[pq.Format] | None]:
+def dumped(values: tuple[Any, ...], encoding: str) -> list[Any]:
     """The parameters' values as libpq sends them: text, as PostgreSQL reads each type's
-    literal, but bytes in binary (a bytea's text form is twice its size, and a stored
-    response may be large); and their formats (None: all text). Made here rather than by
-    psycopg's dumpers, which cost a lookup and an object each; the statements' parameters
-    are of these few types only."""
-    out: list[Any] = []
-    formats: list[pq.Format] | None = None
-    for i, value in enumerate(values):
-        kind = type(value)
-        if kind is str:
-            out.append(value.encode(encoding))
-        elif value is None:
-            out.append(None)
-        elif kind is int:
-            out.append(b"%d" % value)
-        elif kind is bytes:
-            if formats is None:
-                formats = [_TEXT] * len(values)
-            formats[i] = _BINARY
-            out.append(value)
-        else:
-            out.append(_literal(value))
-    return out, formats
+    literal, but bytes as they are (in binary: a bytea's text form is twice its size, and a
+    stored response may be large; see `formats`). Made here rather than by psycopg's
+    dumpers, which cost a lookup and an object each: the statements' parameters are of a
+    few types only."""
+    return [
+        value.encode(encoding)
+        if type(value) is str
+        else value
+        if value is None or type(value) is bytes
+        else b"%d" % value
+        if type(value) is int
+        else _literal(value)
+        for value in values
+    ]
+
+
+def formats(values: tuple[Any, ...]) -> list[pq.Format] | None:
+    """The parameters' formats: None for all text (no bytes among them)."""
+    if bytes not in map(type, values):
+        return None
+    return [_BINARY if type(value) is bytes else _TEXT for value in values]
 
 
 @lru_cache(maxsize=128)
@@ -180,55 +179,57 @@ class _Context:
 
 class _Session:
     """What this module knows of one connection's session: the statements it prepared
-    there, the client encoding it was made for, and a Transformer that loads the rows (cheap
-    to keep, not to make).
+    there, whether it prepares any (psycopg's ``prepare_threshold``, read when the session
+    is first used), the client encoding it was made for, and a Transformer that loads the
+    rows (cheap to keep, not to make).
 
-    Rows come in binary. In a UTF-8 session (the usual one) the Transformer is made with no
-    connection: it decodes text as UTF-8 and gives times in UTC, which is what the record's
-    decode wants (psycopg's, made with the connection, gives them in the session's time
-    zone, to be converted back: two conversions of each of the five times of a
-    reservation's row)."""
+    Rows come in binary. In a UTF-8 session (the usual one; SQL_ASCII is taken as one) the
+    Transformer is made with no connection: it decodes text as UTF-8 and gives times in
+    UTC, which is what the record's decode wants (psycopg's, made with the connection,
+    gives them in the session's time zone, to be converted back: two conversions of each of
+    the five times of a reservation's row)."""
 
     def __init__(self, conn: Any) -> None:
         self.prepared: set[bytes] = set()
+        self.named = conn.prepare_threshold is not None
         self.client_encoding = conn.pgconn.parameter_status(b"client_encoding")
-        self.encoding = conn.info.encoding
-        utf8 = self.client_encoding == b"UTF8"
+        # SQL_ASCII takes any bytes: text goes as UTF-8 there, as psycopg sends it, and is
+        # read back as UTF-8 (psycopg would give bytes, which no record holds).
+        utf8 = self.client_encoding in (b"UTF8", b"SQL_ASCII")
+        self.encoding = "utf-8" if utf8 else conn.info.encoding
         self.adapt = Transformer(None if utf8 else cast(AdaptContext, _Context(conn)))
 
 
 # The session of a connection, kept on it: a connection is one session for its life.
 _SESSION = "_idempo_session"
 
-# One message of a batch: the index of the caller's statement it answers (-1: one of this
-# module's own: a savepoint, a Parse, a rollback), its SQL, and for a statement with
-# parameters their values (dumped) and formats, and its prepared name (b"": unnamed). A
-# Parse is ``(-1, query, None, None, name)``.
-Step = tuple[int, bytes, Any, Any, bytes]
+# What the messages of a batch answer, in order: the index of the caller's statement (-1:
+# one of this module's own: a savepoint, a rollback, a Parse), and for a prepared statement
+# or its Parse, its name and whether it is the Parse.
+Step = tuple[int, bytes, bool]
+_OWN: Step = (-1, b"", False)
 
 # What a statement the server skipped, after an earlier one of its batch failed, answered.
 SKIPPED: Any = type("Skipped", (), {"__repr__": lambda self: "SKIPPED"})()
 
 
 def exchange(conn: Any, pending: list[tuple[Any, Any]]) -> Generator[Any, Any, list[Any]]:
-    """Send ``pending`` (``(sql, params)``, params None for a statement that has none) in
-    one pipeline: what each statement answered, its rows (None when it returns none), the
-    error it raised, or `SKIPPED`. A generator of libpq's waits (psycopg's generators), one
-    per round trip, for the connection's ``wait`` (sync or async) to run while its caller
-    holds the connection's lock."""
+    """Send ``pending`` (``(sql, params)``: SQL with ``:name`` parameters and a dict of
+    them, or bytes and None) in one pipeline: what each statement answered, its rows (None
+    when it returns none), the error it raised, or `SKIPPED`. A generator of libpq's waits
+    (psycopg's generators) for the connection's ``wait`` (sync or async) to run while its
+    caller holds the connection's lock."""
     pgconn = conn.pgconn
     session: _Session | None = getattr(conn, _SESSION, None)
     if session is None or session.client_encoding != pgconn.parameter_status(b"client_encoding"):
         session = _Session(conn)
         setattr(conn, _SESSION, session)
-    named = conn.prepare_threshold is not None
     # Outside a transaction a failure loses nothing of anyone's: the batch starts over.
     fresh = pgconn.transaction_status == _IDLE
-    first = -1 if fresh or not named else _guarded(pending)
+    first, last = (-1, -1) if fresh or not session.named else _guarded(pending)
     answers: list[Any] = [SKIPPED] * len(pending)
-    steps = _steps(pending, 0, b"", session, named, first)
-    results = yield from _roundtrip(pgconn, steps)
-    if not _answer(steps, results, answers, session):
+    guard = (first, last)
+    if not (yield from _roundtrip(pgconn, pending, 0, b"", session, guard, answers)):
         return answers
     # A prepared statement had vanished (its name is forgotten now), or its Parse found it
     # there: the batch goes again, with the Parse, from where nothing is lost.
@@ -237,98 +238,68 @@ def exchange(conn: Any, pending: list[tuple[Any, Any]]) -> Generator[Any, Any, l
     else:
         start, undo = first, _BACK_TO_SAFE
     answers[start:] = [SKIPPED] * (len(pending) - start)
-    steps = _steps(pending, start, undo, session, named, first)
-    results = yield from _roundtrip(pgconn, steps)
-    _answer(steps, results, answers, session)
+    yield from _roundtrip(pgconn, pending, start, undo, session, guard, answers)
     return answers
 
 
-def _guarded(pending: list[tuple[Any, Any]]) -> int:
-    """Where the savepoint of a batch inside a transaction goes: before its first prepared
-    statement (its index; -1 for none)."""
-    return next((i for i, (_, params) in enumerate(pending) if params is not None), -1)
+def _guarded(pending: list[tuple[Any, Any]]) -> tuple[int, int]:
+    """The savepoint of a batch inside a transaction: taken before its first prepared
+    statement, released after its last one unless a COMMIT follows (their indexes; -1 for
+    none)."""
+    prepared = [i for i, (_, params) in enumerate(pending) if params is not None]
+    if not prepared:
+        return -1, -1
+    last = prepared[-1]
+    if last + 1 < len(pending) and pending[last + 1][0] == _COMMIT:
+        last = -1
+    return prepared[0], last
 
 
-def _steps(
+def _roundtrip(
+    pgconn: Any,
     pending: list[tuple[Any, Any]],
     start: int,
     undo: bytes,
     session: _Session,
-    named: bool,
-    first: int,
-) -> list[Step]:
-    """The messages that send ``pending`` from its statement ``start`` on: ``undo`` first
-    (what undoes a failed try), each prepared statement's Parse before its first use in the
-    session, and from ``first`` on (-1: none) inside a savepoint, released after the last
-    prepared statement unless a COMMIT ends it. A retry reuses the savepoint: a rollback to
-    it keeps it."""
-    steps: list[Step] = []
-    if undo:
-        steps.append((-1, undo, None, None, b""))
-    encoding = session.encoding
-    prepared = session.prepared
-    last = -1
-    for i in range(start, len(pending)):
-        sql, params = pending[i]
-        if params is None:
-            steps.append((i, sql.encode() if type(sql) is str else sql, None, None, b""))
-            continue
-        if i == first and not undo:
-            steps.append((-1, _SAFE, None, None, b""))
-        query, name, take = compiled(sql)
-        values, formats = dumped(take(params), encoding)
-        if not named:
-            name = b""
-        elif name not in prepared:
-            steps.append((-1, query, None, None, name))
-        steps.append((i, query, values, formats, name))
-        last = len(steps)
-    if first >= 0 and last >= 0:
-        after = steps[last][1] if last < len(steps) else None
-        if after not in _COMMITS:
-            steps.insert(last, (-1, _SAFE_DONE, None, None, b""))
-    return steps
-
-
-def _roundtrip(pgconn: Any, steps: list[Step]) -> Generator[Any, Any, list[Any]]:
-    """Send ``steps`` in one pipeline; each one's result, once the Sync's has come."""
+    guard: tuple[int, int],
+    answers: list[Any],
+) -> Generator[Any, Any, bool]:
+    """Send ``pending`` from its statement ``start`` on in one pipeline and fill
+    ``answers``: True when it must be sent again (see `_answer`)."""
     pgconn.enter_pipeline_mode()
+    steps: list[Step] = []
     synced = False
     try:
-        for at, sql, params, formats, name in steps:
-            if not name:
-                pgconn.send_query_params(sql, params, None, formats, _BINARY)
-            elif at < 0 and params is None:
-                pgconn.send_prepare(name, sql)
-            else:
-                pgconn.send_query_prepared(name, params, formats, _BINARY)
+        _send(pgconn, pending, start, undo, session, guard, steps)
         pgconn.pipeline_sync()
         synced = True
-        results: list[Any] = yield _communicate(pgconn)
+        results = yield _communicate(pgconn, len(steps))
     except BaseException:
         yield from _abandon(pgconn, synced)
         raise
     pgconn.exit_pipeline_mode()
-    return results
+    return _answer(steps, results, answers, session)
 
 
-def _communicate(pgconn: Any) -> Generator[Wait, Ready | None, list[Any]]:
-    """Flush what was sent, then read every result up to the pipeline's Sync: one wait of
-    the connection's (psycopg's generator protocol). Notifications that arrive meanwhile
-    go to the connection's handler, as psycopg's own reads pass them on."""
+def _communicate(pgconn: Any, count: int) -> Generator[Any, Any, list[Any]]:
+    """Flush what was sent, then read the results of ``count`` messages and the Sync's: one
+    wait of the connection's (psycopg's generator protocol: yield what to wait for, receive
+    what is ready). Cheaper than psycopg's generator per result. Notifications that arrive
+    meanwhile go to the connection's handler, as psycopg's own reads pass them on."""
     while pgconn.flush():
         ready = yield _WAIT_RW
         if ready and ready & _READY_R:
             pgconn.consume_input()
     results: list[Any] = []
+    is_busy, get_result = pgconn.is_busy, pgconn.get_result
     while True:
-        if pgconn.is_busy():
+        if is_busy():
             if (yield _WAIT_R):
                 pgconn.consume_input()
             continue
-        result = pgconn.get_result()
+        result = get_result()
         if result is None:
-            continue  # the end of one statement's results
+            continue  # the end of one message's results
         if result.status == _PIPELINE_SYNC:
             _notified(pgconn)
             return results
@@ -342,6 +313,94 @@ def _notified(pgconn: Any) -> None:
             handler(notify)
 
 
+def _drained(pgconn: Any) -> Generator[Any, Any, None]:
+    """Read what is left of a batch, up to its Sync."""
+    yield from _communicate(pgconn, 0)
+
+
+def _send(
+    pgconn: Any,
+    pending: list[tuple[Any, Any]],
+    start: int,
+    undo: bytes,
+    session: _Session,
+    guard: tuple[int, int],
+    steps: list[Step],
+) -> None:
+    """Send ``pending`` from its statement ``start`` on, noting each message in ``steps``:
+    ``undo`` first (what undoes a failed try), each prepared statement's Parse before its
+    first use in the session, and ``guard``'s savepoint around the prepared statements (see
+    `_guarded`). A retry keeps the savepoint: a rollback to it keeps it."""
+    send_params = pgconn.send_query_params
+    if undo:
+        send_params(undo, None, None, None, _BINARY)
+        steps.append(_OWN)
+    encoding, prepared, named = session.encoding, session.prepared, session.named
+    first, last = guard
+    for i in range(start, len(pending)):
+        sql, params = pending[i]
+        if params is None:
+            send_params(sql, None, None, None, _BINARY)
+            steps.append((i, b"", False))
+            continue
+        if i == first and not undo:
+            send_params(_SAFE, None, None, None, _BINARY)
+            steps.append(_OWN)
+        query, name, take = compiled(sql)
+        values = take(params)
+        if not named:
+            send_params(query, dumped(values, encoding), None, formats(values), _BINARY)
+            steps.append((i, b"", False))
+            continue
+        if name not in prepared:
+            pgconn.send_prepare(name, query)
+            steps.append((-1, name, True))
+        pgconn.send_query_prepared(name, dumped(values, encoding), formats(values), _BINARY)
+        steps.append((i, name, False))
+        if i == last:
+            send_params(_SAFE_DONE, None, None, None, _BINARY)
+            steps.append(_OWN)
+
+
+def _answer(steps: list[Step], results: list[Any], answers: list[Any], session: _Session) -> bool:
+    """Fill ``answers`` from the results: True when the batch must be sent again because a
+    prepared statement had vanished (or, its Parse says, was there already)."""
+    adapt = session.adapt
+    for i, result in enumerate(results):
+        status = result.status
+        if status == _TUPLES_OK:
+            at = steps[i][0]
+            if at >= 0:
+                adapt.set_pgresult(result)
+                answers[at] = adapt.load_rows(0, result.ntuples, tuple)
+        elif status == _FATAL_ERROR:
+            return _failed(steps, i, result, answers, session)
+        elif status != _ABORTED:
+            at, name, parse = steps[i]
+            if at >= 0:
+                answers[at] = None
+            elif parse:
+                session.prepared.add(name)
+    return False
+
+
+def _failed(steps: list[Step], i: int, result: Any, answers: list[Any], session: _Session) -> bool:
+    """Record the error of the batch's message ``i``: True when it is a prepared statement's
+    name gone from the session, or found there by its Parse (the batch is sent again)."""
+    at, name, parse = steps[i]
+    if at < 0:  # one of this module's own: the error is the next statement's
+        at = next((step[0] for step in steps[i:] if step[0] >= 0), -1)
+    answers[at] = pg_errors.error_from_result(result, encoding=session.encoding)
+    state = result.error_field(_SQLSTATE)
+    if parse and state == _EXISTS:
+        session.prepared.add(name)
+        return True
+    if name and not parse and state == _MISSING:
+        session.prepared.discard(name)
+        return True
+    return False
+
+
 def _abandon(pgconn: Any, synced: bool) -> Generator[Any, Any, None]:
     """After a batch was cut short: read what is left of it up to its Sync and leave the
     pipeline mode, so the connection is in step for its next user; close it if that fails
@@ -353,47 +412,9 @@ def _abandon(pgconn: Any, synced: bool) -> Generator[Any, Any, None]:
             except pg_errors.Error:
                 if not synced:
                     pgconn.pipeline_sync()
-                yield _communicate(pgconn)
+                yield _drained(pgconn)
                 pgconn.exit_pipeline_mode()
             return
     except BaseException:  # noqa: BLE001, S110 - closed below: its state is unknown
         pass
     pgconn.finish()
-
-
-def _answer(steps: list[Step], results: list[Any], answers: list[Any], session: _Session) -> bool:
-    """Fill ``answers`` from the results: True when the batch must be sent again because a
-    prepared statement had vanished (or, its Parse says, was there already)."""
-    adapt = session.adapt
-    for i, result in enumerate(results):
-        status = result.status
-        at = steps[i][0]
-        if status == _TUPLES_OK:
-            if at >= 0:
-                adapt.set_pgresult(result)
-                answers[at] = adapt.load_rows(0, result.ntuples, tuple)
-        elif status == _FATAL_ERROR:
-            return _failed(steps, i, result, answers, session)
-        elif status != _ABORTED:
-            if at >= 0:
-                answers[at] = None
-            elif steps[i][4]:  # a Parse
-                session.prepared.add(steps[i][4])
-    return False
-
-
-def _failed(steps: list[Step], i: int, result: Any, answers: list[Any], session: _Session) -> bool:
-    """Record the error of the batch's step ``i``: True when it is a prepared statement's
-    name gone from the session, or found there by its Parse (the batch is sent again)."""
-    at, _, params, _, name = steps[i]
-    if at < 0:  # one of this module's own: the error is the next statement's
-        at = next((step[0] for step in steps[i:] if step[0] >= 0), -1)
-    answers[at] = pg_errors.error_from_result(result, encoding=session.encoding)
-    state = result.error_field(_SQLSTATE)
-    if name and params is None and state == _EXISTS:  # a Parse
-        session.prepared.add(name)
-        return True
-    if name and params is not None and state == _MISSING:
-        session.prepared.discard(name)
-        return True
-    return False

@@ -127,18 +127,20 @@ def error(exc: BaseException) -> BaseException:
 
 Queued = tuple[str | bytes, Any]
 
-_SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}", None)
-_RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}", None)
-_UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", None)
-_BEGIN: Queued = ("BEGIN", None)
-_UNHELD: Queued = (PostgresDialect.UNHELD_SQL, None)
+# Statements of no parameters go as bytes (libpq's calls take nothing else).
+_SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}".encode(), None)
+_RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}".encode(), None)
+_UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}".encode(), None)
+_BEGIN: Queued = (b"BEGIN", None)
+_COMMIT_SQL: Queued = (b"COMMIT", None)
+_UNHELD: Queued = (PostgresDialect.UNHELD_SQL.encode(), None)
 _SET_SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(ms)s, false)"
 # The lock timeout the store set on one of its own connections (an attribute of it).
 _LOCK_TIMEOUT_SET = "_idempo_lock_timeout"
 
 
 @lru_cache(maxsize=64)
-def _begin(isolation: int | None, read_only: bool | None, deferrable: bool | None) -> str:
+def _begin(isolation: int | None, read_only: bool | None, deferrable: bool | None) -> bytes:
     """BEGIN with the connection's own transaction settings, as psycopg's implicit BEGIN
     would carry them."""
     parts = ["BEGIN"]
@@ -148,7 +150,7 @@ def _begin(isolation: int | None, read_only: bool | None, deferrable: bool | Non
         parts.append("READ ONLY" if read_only else "READ WRITE")
     if deferrable is not None:
         parts.append("DEFERRABLE" if deferrable else "NOT DEFERRABLE")
-    return " ".join(parts)
+    return " ".join(parts).encode()
 
 
 class _Batch:
@@ -328,7 +330,7 @@ class _Batch:
                 # commit, and a COMMIT would only draw a warning.
                 self.ended()
                 return _DONE
-            self.pending.append(("COMMIT", None))
+            self.pending.append(_COMMIT_SQL)
             return _COMMIT
         if isinstance(op, Rollback):
             self.take()  # what was never sent needs no undoing
@@ -849,13 +851,18 @@ class PostgresStore(SqlStore):
     def _take(self, wait: float | None) -> tuple[psycopg.Connection[Any], float | None]:
         """A connection, and when it goes back to the pool (None: made here, for one call)."""
         kept = self._kept
-        if kept is not None:
-            found, stale = kept.take()
-            if stale is not None:
-                self._pool.putconn(stale)
-            if found is not None:
-                return found
-        conn, pooled = self._checkout(wait)
+        if kept is None:
+            conn, pooled = self._checkout(wait)
+        elif (found := kept.take()) is not None:
+            return found
+        else:
+            kept.waiting()
+            try:
+                if (found := kept.take()) is not None:
+                    return found
+                conn, pooled = self._checkout(wait)
+            finally:
+                kept.waited()
         return conn, monotonic() + KEEP_SECONDS if pooled else None
 
     def _give(self, conn: psycopg.Connection[Any], until: float | None) -> None:
@@ -1008,17 +1015,20 @@ class AsyncPostgresStore(AsyncSqlStore):
             await self._give(conn, until)
 
     async def _take(self, wait: float | None) -> tuple[psycopg.AsyncConnection[Any], float | None]:
+        """`PostgresStore._take`, awaited; the pool opens on first use."""
         kept = self._kept
-        if kept is not None:
-            found, stale = kept.take()
-            if stale is not None:
-                await self._pool.putconn(stale)
-            if found is not None:
-                return found
-        if not self._opened:
-            await self._pool.open()
-            self._opened = True
-        conn, pooled = await self._checkout(wait)
+        if kept is None:
+            conn, pooled = await self._checkout(wait)
+        elif (found := kept.take()) is not None:
+            return found
+        else:
+            kept.waiting()
+            try:
+                if (found := kept.take()) is not None:
+                    return found
+                conn, pooled = await self._checkout(wait)
+            finally:
+                kept.waited()
         return conn, monotonic() + KEEP_SECONDS if pooled else None
 
     async def _give(self, conn: psycopg.AsyncConnection[Any], until: float | None) -> None:
@@ -1035,6 +1045,9 @@ class AsyncPostgresStore(AsyncSqlStore):
     async def _checkout(
         self, wait: float | None = None
     ) -> tuple[psycopg.AsyncConnection[Any], bool]:
+        if not self._opened:
+            await self._pool.open()
+            self._opened = True
         connector = self._connector
         if connector is None:
             return await self._pool.getconn(timeout=wait), True
