@@ -35,14 +35,6 @@ LEASE, TTL = timedelta(minutes=1), timedelta(hours=1)
 
 
 @pytest.fixture
-def business(postgres_url: str, pg_schema: str) -> str:
-    table = f"{pg_schema}.business"
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {table} (idem_key text PRIMARY KEY, note text)")
-    return table
-
-
-@pytest.fixture
 def app(postgres_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(postgres_url) as conn:
         yield conn
@@ -349,10 +341,11 @@ def test_a_connection_left_in_a_transaction_or_broken_is_not_kept() -> None:
 
 def test_while_someone_waits_on_the_pool_a_connection_given_back_goes_there() -> None:
     kept, conn = _kept.KeptConnections(), _Conn()
-    kept.waiting()
+    assert kept.take() is None  # none kept: the caller waits on the pool
     assert kept.give(conn, until=float("inf")) is conn
     kept.waited()
     assert kept.give(conn, until=float("inf")) is None
+    assert kept.take() == (conn, float("inf"))
 
 
 def test_a_forked_child_takes_none_of_its_parents_connections(

@@ -27,6 +27,7 @@ What the pool is for still holds:
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 from time import monotonic
 from typing import Any
 
@@ -57,22 +58,27 @@ class KeptConnections:
         self.closed = False
 
     def take(self) -> Kept | None:
-        """A kept connection and when it must go back to the pool, or None."""
+        """A kept connection and when it must go back to the pool; or None, and then the
+        caller, about to wait on the pool, counts as waiting there (a connection given back
+        meanwhile goes to the pool, which hands it to a waiter) until it says `waited`."""
         if self._pid != os.getpid():
             # The parent's sockets are not this process's to use or to close.
             self._idle = []
             self._pid = os.getpid()
-        try:
-            return self._idle.pop()
-        except IndexError:  # none kept (another thread may have taken the last one just now)
-            return None
-
-    def waiting(self) -> None:
-        """A caller found none kept and is about to wait on the pool: it takes once more
-        after this (one may have been given back in between), and says `waited` after."""
+        idle = self._idle
+        if idle:
+            with suppress(IndexError):  # another thread may have taken the last one
+                return idle.pop()
         self._waiting.append(None)
+        # Once more: one may have been given back just before the caller counted.
+        with suppress(IndexError):
+            kept = idle.pop()
+            self._waiting.pop()
+            return kept
+        return None
 
     def waited(self) -> None:
+        """The caller that `take` found none for has its connection from the pool."""
         self._waiting.pop()
 
     def give(self, conn: Any, until: float) -> Any:

@@ -117,22 +117,24 @@ def _values(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     return one
 
 
-def dumped(values: tuple[Any, ...], encoding: str) -> list[Any]:
-    """The parameters' values as libpq sends them: text, as PostgreSQL reads each type's
-    literal, but bytes as they are (in binary: a bytea's text form is twice its size, and a
-    stored response may be large; see `formats`). Made here rather than by psycopg's
-    dumpers, which cost a lookup and an object each: the statements' parameters are of a
-    few types only."""
-    return [
-        value.encode(encoding)
-        if type(value) is str
-        else value
-        if value is None or type(value) is bytes
-        else b"%d" % value
-        if type(value) is int
-        else _literal(value)
-        for value in values
-    ]
+class Dumpers(dict[type, Callable[[Any], Any]]):
+    """How each type of parameter value goes to libpq, by its type: text, as PostgreSQL
+    reads each type's literal, but bytes as they are (in binary: a bytea's text form is
+    twice its size, and a stored response may be large; see `formats`). Made here rather
+    than by psycopg's dumpers, which cost a lookup and an object each: the statements'
+    parameters are of a few types only, and the common ones are dumped by a builtin."""
+
+    def __init__(self, encoding: str) -> None:
+        encode = str.encode if encoding == "utf-8" else operator.methodcaller("encode", encoding)
+        super().__init__({str: encode, type(None): {}.get, bytes: bytes, int: b"%d".__mod__})
+
+    def __missing__(self, kind: type) -> Callable[[Any], bytes]:
+        return _literal
+
+
+def dumped(values: tuple[Any, ...], dumpers: Dumpers) -> list[Any]:
+    """The parameters' values as libpq sends them."""
+    return [dumpers[type(value)](value) for value in values]
 
 
 def formats(values: tuple[Any, ...]) -> list[pq.Format] | None:
@@ -197,6 +199,7 @@ class _Session:
         # read back as UTF-8 (psycopg would give bytes, which no record holds).
         utf8 = self.client_encoding in (b"UTF8", b"SQL_ASCII")
         self.encoding = "utf-8" if utf8 else conn.info.encoding
+        self.dumpers = Dumpers(self.encoding)
         self.adapt = Transformer(None if utf8 else cast(AdaptContext, _Context(conn)))
 
 
@@ -228,8 +231,8 @@ def exchange(conn: Any, pending: list[tuple[Any, Any]]) -> Generator[Any, Any, l
     fresh = pgconn.transaction_status == _IDLE
     first, last = (-1, -1) if fresh or not session.named else _guarded(pending)
     answers: list[Any] = [SKIPPED] * len(pending)
-    guard = (first, last)
-    if not (yield from _roundtrip(pgconn, pending, 0, b"", session, guard, answers)):
+    plan = _Plan(pending, session, first, last)
+    if not (yield from _roundtrip(pgconn, plan, 0, b"", answers)):
         return answers
     # A prepared statement had vanished (its name is forgotten now), or its Parse found it
     # there: the batch goes again, with the Parse, from where nothing is lost.
@@ -238,7 +241,7 @@ def exchange(conn: Any, pending: list[tuple[Any, Any]]) -> Generator[Any, Any, l
     else:
         start, undo = first, _BACK_TO_SAFE
     answers[start:] = [SKIPPED] * (len(pending) - start)
-    yield from _roundtrip(pgconn, pending, start, undo, session, guard, answers)
+    yield from _roundtrip(pgconn, plan, start, undo, answers)
     return answers
 
 
@@ -255,22 +258,26 @@ def _guarded(pending: list[tuple[Any, Any]]) -> tuple[int, int]:
     return prepared[0], last
 
 
+class _Plan(NamedTuple):
+    """A batch: its statements, the session they go to, and the savepoint around its
+    prepared statements where it runs inside a transaction (see `_guarded`)."""
+
+    pending: list[tuple[Any, Any]]
+    session: _Session
+    first: int
+    last: int
+
+
 def _roundtrip(
-    pgconn: Any,
-    pending: list[tuple[Any, Any]],
-    start: int,
-    undo: bytes,
-    session: _Session,
-    guard: tuple[int, int],
-    answers: list[Any],
+    pgconn: Any, plan: _Plan, start: int, undo: bytes, answers: list[Any]
 ) -> Generator[Any, Any, bool]:
-    """Send ``pending`` from its statement ``start`` on in one pipeline and fill
-    ``answers``: True when it must be sent again (see `_answer`)."""
+    """Send the batch from its statement ``start`` on in one pipeline and fill ``answers``:
+    True when it must be sent again (see `_answer`)."""
     pgconn.enter_pipeline_mode()
     steps: list[Step] = []
     synced = False
     try:
-        _send(pgconn, pending, start, undo, session, guard, steps)
+        _send(pgconn, plan, start, undo, steps)
         pgconn.pipeline_sync()
         synced = True
         results = yield _communicate(pgconn, len(steps))
@@ -278,7 +285,7 @@ def _roundtrip(
         yield from _abandon(pgconn, synced)
         raise
     pgconn.exit_pipeline_mode()
-    return _answer(steps, results, answers, session)
+    return _answer(steps, results, answers, plan.session)
 
 
 def _communicate(pgconn: Any, count: int) -> Generator[Any, Any, list[Any]]:
@@ -318,25 +325,17 @@ def _drained(pgconn: Any) -> Generator[Any, Any, None]:
     yield from _communicate(pgconn, 0)
 
 
-def _send(
-    pgconn: Any,
-    pending: list[tuple[Any, Any]],
-    start: int,
-    undo: bytes,
-    session: _Session,
-    guard: tuple[int, int],
-    steps: list[Step],
-) -> None:
-    """Send ``pending`` from its statement ``start`` on, noting each message in ``steps``:
+def _send(pgconn: Any, plan: _Plan, start: int, undo: bytes, steps: list[Step]) -> None:
+    """Send the batch from its statement ``start`` on, noting each message in ``steps``:
     ``undo`` first (what undoes a failed try), each prepared statement's Parse before its
-    first use in the session, and ``guard``'s savepoint around the prepared statements (see
+    first use in the session, and the savepoint around the prepared statements (see
     `_guarded`). A retry keeps the savepoint: a rollback to it keeps it."""
     send_params = pgconn.send_query_params
     if undo:
         send_params(undo, None, None, None, _BINARY)
         steps.append(_OWN)
-    encoding, prepared, named = session.encoding, session.prepared, session.named
-    first, last = guard
+    pending, session, first, last = plan
+    dumpers, prepared, named = session.dumpers, session.prepared, session.named
     for i in range(start, len(pending)):
         sql, params = pending[i]
         if params is None:
@@ -349,13 +348,13 @@ def _send(
         query, name, take = compiled(sql)
         values = take(params)
         if not named:
-            send_params(query, dumped(values, encoding), None, formats(values), _BINARY)
+            send_params(query, dumped(values, dumpers), None, formats(values), _BINARY)
             steps.append((i, b"", False))
             continue
         if name not in prepared:
             pgconn.send_prepare(name, query)
             steps.append((-1, name, True))
-        pgconn.send_query_prepared(name, dumped(values, encoding), formats(values), _BINARY)
+        pgconn.send_query_prepared(name, dumped(values, dumpers), formats(values), _BINARY)
         steps.append((i, name, False))
         if i == last:
             send_params(_SAFE_DONE, None, None, None, _BINARY)

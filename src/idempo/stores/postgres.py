@@ -851,17 +851,12 @@ class PostgresStore(SqlStore):
     def _take(self, wait: float | None) -> tuple[psycopg.Connection[Any], float | None]:
         """A connection, and when it goes back to the pool (None: made here, for one call)."""
         kept = self._kept
-        if kept is None:
-            conn, pooled = self._checkout(wait)
-        elif (found := kept.take()) is not None:
+        if kept is not None and (found := kept.take()) is not None:
             return found
-        else:
-            kept.waiting()
-            try:
-                if (found := kept.take()) is not None:
-                    return found
-                conn, pooled = self._checkout(wait)
-            finally:
+        try:
+            conn, pooled = self._checkout(wait)
+        finally:
+            if kept is not None:
                 kept.waited()
         return conn, monotonic() + KEEP_SECONDS if pooled else None
 
@@ -1017,17 +1012,12 @@ class AsyncPostgresStore(AsyncSqlStore):
     async def _take(self, wait: float | None) -> tuple[psycopg.AsyncConnection[Any], float | None]:
         """`PostgresStore._take`, awaited; the pool opens on first use."""
         kept = self._kept
-        if kept is None:
-            conn, pooled = await self._checkout(wait)
-        elif (found := kept.take()) is not None:
+        if kept is not None and (found := kept.take()) is not None:
             return found
-        else:
-            kept.waiting()
-            try:
-                if (found := kept.take()) is not None:
-                    return found
-                conn, pooled = await self._checkout(wait)
-            finally:
+        try:
+            conn, pooled = await self._checkout(wait)
+        finally:
+            if kept is not None:
                 kept.waited()
         return conn, monotonic() + KEEP_SECONDS if pooled else None
 
