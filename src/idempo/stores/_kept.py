@@ -27,7 +27,6 @@ What the pool is for still holds:
 from __future__ import annotations
 
 import os
-from contextlib import suppress
 from time import monotonic
 from typing import Any
 
@@ -66,16 +65,17 @@ class KeptConnections:
             self._idle = []
             self._pid = os.getpid()
         idle = self._idle
-        if idle:
-            with suppress(IndexError):  # another thread may have taken the last one
-                return idle.pop()
+        try:
+            return idle.pop()
+        except IndexError:  # none kept (another thread may have taken the last one just now)
+            pass
         self._waiting.append(None)
-        # Once more: one may have been given back just before the caller counted.
-        with suppress(IndexError):
+        try:  # once more: one may have been given back just before the caller counted
             kept = idle.pop()
-            self._waiting.pop()
-            return kept
-        return None
+        except IndexError:
+            return None
+        self._waiting.pop()
+        return kept
 
     def waited(self) -> None:
         """The caller that `take` found none for has its connection from the pool."""

@@ -56,6 +56,8 @@ from psycopg.abc import AdaptContext
 from psycopg.adapt import Transformer
 from psycopg.waiting import Ready, Wait
 
+from ._sql.postgres import pg_interval
+
 _IDLE = pq.TransactionStatus.IDLE
 _OK = pq.ConnStatus.OK
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
@@ -117,24 +119,22 @@ def _values(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     return one
 
 
-class Dumpers(dict[type, Callable[[Any], Any]]):
-    """How each type of parameter value goes to libpq, by its type: text, as PostgreSQL
-    reads each type's literal, but bytes as they are (in binary: a bytea's text form is
-    twice its size, and a stored response may be large; see `formats`). Made here rather
-    than by psycopg's dumpers, which cost a lookup and an object each: the statements'
-    parameters are of a few types only, and the common ones are dumped by a builtin."""
-
-    def __init__(self, encoding: str) -> None:
-        encode = str.encode if encoding == "utf-8" else operator.methodcaller("encode", encoding)
-        super().__init__({str: encode, type(None): {}.get, bytes: bytes, int: b"%d".__mod__})
-
-    def __missing__(self, kind: type) -> Callable[[Any], bytes]:
-        return _literal
-
-
-def dumped(values: tuple[Any, ...], dumpers: Dumpers) -> list[Any]:
-    """The parameters' values as libpq sends them."""
-    return [dumpers[type(value)](value) for value in values]
+def dumped(values: tuple[Any, ...], encoding: str) -> list[Any]:
+    """The parameters' values as libpq sends them: text, as PostgreSQL reads each type's
+    literal, but bytes as they are (in binary: a bytea's text form is twice its size, and a
+    stored response may be large; see `formats`). Made here rather than by psycopg's
+    dumpers, which cost a lookup and an object each: the statements' parameters are of a
+    few types only, text most of them (the dialect sends durations as interval text)."""
+    return [
+        value.encode(encoding)
+        if type(value) is str
+        else value
+        if value is None or type(value) is bytes
+        else b"%d" % value
+        if type(value) is int
+        else _literal(value)
+        for value in values
+    ]
 
 
 def formats(values: tuple[Any, ...]) -> list[pq.Format] | None:
@@ -144,17 +144,10 @@ def formats(values: tuple[Any, ...]) -> list[pq.Format] | None:
     return [_BINARY if type(value) is bytes else _TEXT for value in values]
 
 
-@lru_cache(maxsize=128)
-def _interval(span: timedelta) -> bytes:
-    # Days as days, as psycopg sends a timedelta (a day added in a time zone with daylight
-    # saving is a calendar day).
-    return f"{span.days} days {span.seconds}.{span.microseconds:06d} seconds".encode()
-
-
 def _literal(value: Any) -> bytes:
     """A value of the rarer types as PostgreSQL's text input reads it."""
     if isinstance(value, timedelta):
-        return _interval(value)
+        return pg_interval(value).encode()
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise TypeError("a naive datetime: the store's times are aware")
@@ -199,7 +192,6 @@ class _Session:
         # read back as UTF-8 (psycopg would give bytes, which no record holds).
         utf8 = self.client_encoding in (b"UTF8", b"SQL_ASCII")
         self.encoding = "utf-8" if utf8 else conn.info.encoding
-        self.dumpers = Dumpers(self.encoding)
         self.adapt = Transformer(None if utf8 else cast(AdaptContext, _Context(conn)))
 
 
@@ -335,7 +327,7 @@ def _send(pgconn: Any, plan: _Plan, start: int, undo: bytes, steps: list[Step]) 
         send_params(undo, None, None, None, _BINARY)
         steps.append(_OWN)
     pending, session, first, last = plan
-    dumpers, prepared, named = session.dumpers, session.prepared, session.named
+    encoding, prepared, named = session.encoding, session.prepared, session.named
     for i in range(start, len(pending)):
         sql, params = pending[i]
         if params is None:
@@ -348,13 +340,13 @@ def _send(pgconn: Any, plan: _Plan, start: int, undo: bytes, steps: list[Step]) 
         query, name, take = compiled(sql)
         values = take(params)
         if not named:
-            send_params(query, dumped(values, dumpers), None, formats(values), _BINARY)
+            send_params(query, dumped(values, encoding), None, formats(values), _BINARY)
             steps.append((i, b"", False))
             continue
         if name not in prepared:
             pgconn.send_prepare(name, query)
             steps.append((-1, name, True))
-        pgconn.send_query_prepared(name, dumped(values, dumpers), formats(values), _BINARY)
+        pgconn.send_query_prepared(name, dumped(values, encoding), formats(values), _BINARY)
         steps.append((i, name, False))
         if i == last:
             send_params(_SAFE_DONE, None, None, None, _BINARY)
