@@ -32,7 +32,7 @@ with optional_import("the PostgreSQL store needs psycopg", extra="postgres"):
     from psycopg import IsolationLevel
     from psycopg import errors as pg_errors
     from psycopg.conninfo import conninfo_to_dict
-    from psycopg.pq import TransactionStatus
+    from psycopg.pq import ExecStatus, TransactionStatus
     from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
 
 from ..errors import (
@@ -371,12 +371,18 @@ def _in_transaction(conn: Any) -> bool:
 
 
 def _rows(cursor: Any) -> Any:
-    """What a statement psycopg sent answered: its rows, or None when it returns none."""
-    return cursor.fetchall() if cursor.description is not None else None
+    """What a statement psycopg sent answered: its rows, or None when it returns none (or
+    did not run: the pipeline's error is the answer then)."""
+    return cursor.fetchall() if _has_rows(cursor) else None
 
 
 async def _arows(cursor: Any) -> Any:
-    return await cursor.fetchall() if cursor.description is not None else None
+    return await cursor.fetchall() if _has_rows(cursor) else None
+
+
+def _has_rows(cursor: Any) -> bool:
+    result = cursor.pgresult
+    return result is not None and result.status == ExecStatus.TUPLES_OK
 
 
 def _autocommit_off(conn: Any) -> None:
