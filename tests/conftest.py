@@ -224,6 +224,15 @@ def pg_store(postgres_url: str, pg_schema: str) -> Iterator[PostgresStore]:
 
 
 @pytest.fixture
+def business(postgres_url: str, pg_schema: str) -> str:
+    """A business table in the test's own schema: an idempotency key and a note per row."""
+    table = f"{pg_schema}.business"
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (idem_key text PRIMARY KEY, note text)")
+    return table
+
+
+@pytest.fixture
 def sqlite_store(tmp_path: Path) -> Iterator[SQLiteStore]:
     """A migrated SQLiteStore in a fresh file."""
     store = SQLiteStore(str(tmp_path / "idempo.db"))

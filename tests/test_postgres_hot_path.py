@@ -76,14 +76,6 @@ def pg_store(postgres_url: str, pg_schema: str) -> Iterator[PostgresStore]:
         yield store
 
 
-@pytest.fixture
-def business(postgres_url: str, pg_schema: str) -> str:
-    table = f"{pg_schema}.business"
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {table} (idem_key text PRIMARY KEY, note text)")
-    return table
-
-
 def app_connection(url: str, **settings: Any) -> psycopg.Connection[Any]:
     """An app's connection with a lock timeout of its own, set for the session."""
     conn = psycopg.connect(url, autocommit=True)

@@ -467,7 +467,11 @@ def test_a_settle_notifies_only_when_someone_holds_the_mark(
 
 
 def pooled_sessions_are_clean(store: PostgresStore) -> None:
-    """Every connection the store's pool has: no LISTEN, no advisory lock left."""
+    """Every connection the store's pool has: no LISTEN, no advisory lock left (the ones
+    the store keeps between calls go back to the pool first)."""
+    assert store._kept is not None
+    for kept in store._kept.drain():
+        store._pool.putconn(kept)
     conns = [store._pool.getconn(timeout=DEADLINE) for _ in range(store._pool.max_size)]
     try:
         for conn in conns:

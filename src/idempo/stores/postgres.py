@@ -32,7 +32,7 @@ with optional_import("the PostgreSQL store needs psycopg", extra="postgres"):
     from psycopg import IsolationLevel
     from psycopg import errors as pg_errors
     from psycopg.conninfo import conninfo_to_dict
-    from psycopg.pq import TransactionStatus
+    from psycopg.pq import ExecStatus, TransactionStatus
     from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
 
 from ..errors import (
@@ -42,6 +42,8 @@ from ..errors import (
     StoreUnavailableError,
 )
 from . import DEFAULT_CONNECT_TIMEOUT, cannot_connect, schema_missing, seconds
+from ._kept import KEEP_SECONDS, KeptConnections
+from ._pgwire import exchange
 from ._sql.binding import sqlalchemy_connection
 from ._sql.dialect import FENCED_MARKER, Statement, pyformat
 from ._sql.postgres import UNHELD_MARKER, PostgresDialect, Watch, pg_ms
@@ -64,7 +66,9 @@ from ._sql.transaction import (
     TxGen,
     Undo,
     UnitLogic,
+    adrive,
     aexecute,
+    drive,
     execute,
     mapped,
     unit_logic,
@@ -123,18 +127,20 @@ def error(exc: BaseException) -> BaseException:
 
 Queued = tuple[str | bytes, Any]
 
-_SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}", None)
-_RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}", None)
-_UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", None)
-_BEGIN: Queued = ("BEGIN", None)
-_UNHELD: Queued = (PostgresDialect.UNHELD_SQL, None)
+# Statements of no parameters go as bytes (libpq's calls take nothing else).
+_SAVEPOINT: Queued = (f"SAVEPOINT {SAVEPOINT}".encode(), None)
+_RELEASE: Queued = (f"RELEASE SAVEPOINT {SAVEPOINT}".encode(), None)
+_UNDO: Queued = (f"ROLLBACK TO SAVEPOINT {SAVEPOINT}".encode(), None)
+_BEGIN: Queued = (b"BEGIN", None)
+_COMMIT_SQL: Queued = (b"COMMIT", None)
+_UNHELD: Queued = (PostgresDialect.UNHELD_SQL.encode(), None)
 _SET_SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(ms)s, false)"
 # The lock timeout the store set on one of its own connections (an attribute of it).
 _LOCK_TIMEOUT_SET = "_idempo_lock_timeout"
 
 
 @lru_cache(maxsize=64)
-def _begin(isolation: int | None, read_only: bool | None, deferrable: bool | None) -> str:
+def _begin(isolation: int | None, read_only: bool | None, deferrable: bool | None) -> bytes:
     """BEGIN with the connection's own transaction settings, as psycopg's implicit BEGIN
     would carry them."""
     parts = ["BEGIN"]
@@ -144,7 +150,7 @@ def _begin(isolation: int | None, read_only: bool | None, deferrable: bool | Non
         parts.append("READ ONLY" if read_only else "READ WRITE")
     if deferrable is not None:
         parts.append("DEFERRABLE" if deferrable else "NOT DEFERRABLE")
-    return " ".join(parts)
+    return " ".join(parts).encode()
 
 
 class _Batch:
@@ -190,7 +196,7 @@ class _Batch:
         self.answer: Any = None  # what `need` answered, when nothing was left to do
 
     def idle(self) -> bool:
-        return bool(self.conn.info.transaction_status == TransactionStatus.IDLE)
+        return bool(self.conn.pgconn.transaction_status == TransactionStatus.IDLE)
 
     def begin(self, op: Begin) -> bool:
         """Queue what starts the transaction: whether this begins one."""
@@ -275,15 +281,17 @@ class _Batch:
         """The transaction is over."""
         self.reserving = self.implicit = self.marked = self.flip = False
 
-    def outcome(self, cursors: list[C], at: int, failed: BaseException | None) -> C:
-        """The cursor of the awaited statement of a pipeline; raises what failed, unless
-        only the unheld check did: then the reservation's rows came back, and the
-        transaction it ran in is over (it held nothing, so nothing is lost)."""
+    def outcome(self, answers: list[Any], at: int) -> Any:
+        """The rows of the awaited statement of a batch (`_pgwire.exchange`'s answers);
+        raises what failed, unless only the unheld check did: then the reservation's rows
+        came back, and the transaction it ran in is over (it held nothing, so nothing is
+        lost)."""
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
         if failed is None:
-            return cursors[at]
+            return None if at < 0 else answers[at]
         if isinstance(failed, pg_errors.InvalidTextRepresentation) and UNHELD_MARKER in str(failed):
             self.marked = False
-            return cursors[at]
+            return answers[at]
         raise failed
 
     def translate(self, exc: BaseException) -> BaseException:
@@ -302,7 +310,7 @@ class _Batch:
         the answer is ``self.answer``)."""
         self.answer = None
         if isinstance(op, Statement):
-            self.statement(_pyformat(op.sql), op.params)
+            self.statement(op.sql, op.params)
             return _FETCH if op.fetch else _DONE
         if isinstance(op, Begin):
             self.answer = self.begin(op)
@@ -322,7 +330,7 @@ class _Batch:
                 # commit, and a COMMIT would only draw a warning.
                 self.ended()
                 return _DONE
-            self.pending.append(("COMMIT", None))
+            self.pending.append(_COMMIT_SQL)
             return _COMMIT
         if isinstance(op, Rollback):
             self.take()  # what was never sent needs no undoing
@@ -355,6 +363,28 @@ def is_conflict(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40")
 
 
+def _in_transaction(conn: Any) -> bool:
+    """Whether a store's call left ``conn`` inside a transaction (to roll back before the
+    next call, as the pool would, with a warning in its log)."""
+    status = conn.pgconn.transaction_status
+    return status in (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+def _rows(cursor: Any) -> Any:
+    """What a statement psycopg sent answered: its rows, or None when it returns none (or
+    did not run: the pipeline's error is the answer then)."""
+    return cursor.fetchall() if _has_rows(cursor) else None
+
+
+async def _arows(cursor: Any) -> Any:
+    return await cursor.fetchall() if _has_rows(cursor) else None
+
+
+def _has_rows(cursor: Any) -> bool:
+    result = cursor.pgresult
+    return result is not None and result.status == ExecStatus.TUPLES_OK
+
+
 def _autocommit_off(conn: Any) -> None:
     # psycopg refuses to change autocommit inside a transaction, though nothing but its own
     # choice of an implicit BEGIN depends on it: the app's connection goes on as it was set
@@ -381,8 +411,7 @@ class _PsycopgTx:
         if need == _DONE:
             return batch.answer
         if need == _FETCH:
-            cursor = self.flush()
-            return None if cursor is None else cursor.fetchall()
+            return self.flush()
         if need == _ON_STORE:
             return batch.on_store(op.gen)
         if need == _BOUND:
@@ -401,8 +430,8 @@ class _PsycopgTx:
             batch.ended()
         return None
 
-    def flush(self) -> psycopg.Cursor[Any] | None:
-        """Send what is queued; the cursor of the statement whose rows are awaited."""
+    def flush(self) -> Any:
+        """Send what is queued; the rows of the statement whose rows are awaited."""
         batch = self.batch
         pending, at = batch.take()
         if not pending:
@@ -410,29 +439,37 @@ class _PsycopgTx:
         flip, batch.flip = batch.flip, False
         conn = self._conn
         try:
-            if flip:
-                conn.autocommit = True
-            try:
-                if len(pending) == 1:
-                    sql, params = pending[0]
-                    return conn.execute(sql, params, prepare=params is not None)
-                cursors: list[psycopg.Cursor[Any]] = []
-                failed: psycopg.Error | None = None
-                try:
-                    with conn.pipeline():
-                        try:  # caught inside, so that psycopg logs no error of its own
-                            for q, p in pending:
-                                cursors.append(conn.execute(q, p, prepare=p is not None))
-                        except psycopg.Error as exc:  # the server skips the rest
-                            failed = exc
-                except psycopg.Error as exc:  # from the Sync
-                    failed = failed or exc
-                return batch.outcome(cursors, at, failed)
-            finally:
-                if flip:
-                    _autocommit_off(conn)
+            if conn.pgconn.pipeline_status:  # the app's own pipeline: psycopg's to send
+                return self._through_psycopg(pending, at, flip)
+            with conn.lock:
+                answers = drive(exchange(conn, pending), conn.wait)
+            return batch.outcome(answers, at)
         except psycopg.Error as exc:
             raise batch.translate(exc)  # noqa: B904 - the cause is set
+
+    def _through_psycopg(self, pending: list[Queued], at: int, flip: bool) -> Any:
+        """Send what is queued with psycopg's own calls, in the pipeline the app has open."""
+        conn = self._conn
+        if flip:
+            conn.autocommit = True
+        try:
+            cursors: list[psycopg.Cursor[Any]] = []
+            failed: psycopg.Error | None = None
+            try:
+                with conn.pipeline():
+                    try:  # caught inside, so that psycopg logs no error of its own
+                        for q, p in pending:
+                            query = q if p is None else _pyformat(q)
+                            cursors.append(conn.execute(query, p, prepare=p is not None))
+                    except psycopg.Error as exc:  # the server skips the rest
+                        failed = exc
+            except psycopg.Error as exc:  # from the Sync
+                failed = failed or exc
+            answers: list[Any] = [_rows(cursor) for cursor in cursors]
+            return self.batch.outcome([*answers, *([failed] if failed else [])], at)
+        finally:
+            if flip:
+                _autocommit_off(conn)
 
 
 class _AsyncPsycopgTx:
@@ -452,8 +489,7 @@ class _AsyncPsycopgTx:
         if need == _DONE:
             return batch.answer
         if need == _FETCH:
-            cursor = await self.flush()
-            return None if cursor is None else await cursor.fetchall()
+            return await self.flush()
         if need == _ON_STORE:
             return await batch.on_store(op.gen)
         if need == _BOUND:
@@ -472,7 +508,7 @@ class _AsyncPsycopgTx:
             batch.ended()
         return None
 
-    async def flush(self) -> psycopg.AsyncCursor[Any] | None:
+    async def flush(self) -> Any:
         batch = self.batch
         pending, at = batch.take()
         if not pending:
@@ -480,29 +516,36 @@ class _AsyncPsycopgTx:
         flip, batch.flip = batch.flip, False
         conn = self._conn
         try:
-            if flip:
-                await conn.set_autocommit(True)
-            try:
-                if len(pending) == 1:
-                    sql, params = pending[0]
-                    return await conn.execute(sql, params, prepare=params is not None)
-                cursors: list[psycopg.AsyncCursor[Any]] = []
-                failed: psycopg.Error | None = None
-                try:
-                    async with conn.pipeline():
-                        try:  # caught inside, so that psycopg logs no error of its own
-                            for q, p in pending:
-                                cursors.append(await conn.execute(q, p, prepare=p is not None))
-                        except psycopg.Error as exc:  # the server skips the rest
-                            failed = exc
-                except psycopg.Error as exc:  # from the Sync
-                    failed = failed or exc
-                return batch.outcome(cursors, at, failed)
-            finally:
-                if flip:
-                    _autocommit_off(conn)
+            if conn.pgconn.pipeline_status:
+                return await self._through_psycopg(pending, at, flip)
+            async with conn.lock:
+                answers = await adrive(exchange(conn, pending), conn.wait)
+            return batch.outcome(answers, at)
         except psycopg.Error as exc:
             raise batch.translate(exc)  # noqa: B904 - the cause is set
+
+    async def _through_psycopg(self, pending: list[Queued], at: int, flip: bool) -> Any:
+        conn = self._conn
+        if flip:
+            await conn.set_autocommit(True)
+        try:
+            cursors: list[psycopg.AsyncCursor[Any]] = []
+            failed: psycopg.Error | None = None
+            try:
+                async with conn.pipeline():
+                    try:  # caught inside, so that psycopg logs no error of its own
+                        for q, p in pending:
+                            query = q if p is None else _pyformat(q)
+                            cursors.append(await conn.execute(query, p, prepare=p is not None))
+                    except psycopg.Error as exc:  # the server skips the rest
+                        failed = exc
+            except psycopg.Error as exc:  # from the Sync
+                failed = failed or exc
+            answers: list[Any] = [await _arows(cursor) for cursor in cursors]
+            return self.batch.outcome([*answers, *([failed] if failed else [])], at)
+        finally:
+            if flip:
+                _autocommit_off(conn)
 
 
 DEFAULT_TABLE = "idempo_records"
@@ -793,23 +836,46 @@ class PostgresStore(SqlStore):
         self._seats = _seats(self._pool.max_size)
         self.connect_timeout = _timeout(self._connector)
         self.read_timeout = timedelta(seconds=self._watchdog.bound)
+        self._kept = KeptConnections() if self._owns_pool else None
 
     @contextmanager
     def _connection(self, wait: float | None = None) -> Iterator[psycopg.Connection[Any]]:
-        """One of the pool's connections, or when the pool cannot connect, one made here;
-        ``wait``: how long to wait for one at most (seconds; default: `_checkout`'s)."""
-        conn, pooled = self._checkout(wait)
+        """A connection the store keeps, else one of the pool's, or when the pool cannot
+        connect, one made here; ``wait``: how long to wait for one at most (seconds;
+        default: `_checkout`'s)."""
+        conn, until = self._take(wait)
         watchdog = self._watchdog
         watchdog.watch(conn)
         try:
-            with conn:
-                yield conn
+            yield conn
         except Exception as exc:  # noqa: BLE001 - raised again, or as the cause
             raise watchdog.failure(conn, exc)  # noqa: B904
         finally:
             watchdog.done(conn)
-            if pooled:
-                self._pool.putconn(conn)
+            self._give(conn, until)
+
+    def _take(self, wait: float | None) -> tuple[psycopg.Connection[Any], float | None]:
+        """A connection, and when it goes back to the pool (None: made here, for one call)."""
+        kept = self._kept
+        if kept is not None and (found := kept.take()) is not None:
+            return found
+        try:
+            conn, pooled = self._checkout(wait)
+        finally:
+            if kept is not None:
+                kept.waited()
+        return conn, monotonic() + KEEP_SECONDS if pooled else None
+
+    def _give(self, conn: psycopg.Connection[Any], until: float | None) -> None:
+        if until is None:
+            conn.close()
+            return
+        if _in_transaction(conn):
+            with suppress(psycopg.Error):  # a broken connection: the pool replaces it
+                conn.rollback()
+        back = conn if self._kept is None else self._kept.give(conn, until)
+        if back is not None:
+            self._pool.putconn(back)
 
     def _checkout(self, wait: float | None = None) -> tuple[psycopg.Connection[Any], bool]:
         connector = self._connector
@@ -894,6 +960,9 @@ class PostgresStore(SqlStore):
 
     def close(self) -> None:
         self._watchdog.close()
+        if self._kept is not None:
+            for conn in self._kept.close():
+                self._pool.putconn(conn)
         if self._owns_pool:
             self._pool.close()
 
@@ -928,31 +997,53 @@ class AsyncPostgresStore(AsyncSqlStore):
         self._seats = _seats(self._pool.max_size)
         self._opened = not self._owns_pool
         self.connect_timeout = _timeout(self._connector)
+        self._kept = KeptConnections() if self._owns_pool else None
 
     @asynccontextmanager
     async def _connection(
         self, wait: float | None = None
     ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """The asynchronous twin of `PostgresStore._connection`."""
-        if not self._opened:
-            await self._pool.open()
-            self._opened = True
-        conn, pooled = await self._checkout(wait)
+        conn, until = await self._take(wait)
         watchdog = self._watchdog
         watchdog.watch(conn)
         try:
-            async with conn:
-                yield conn
+            yield conn
         except Exception as exc:  # noqa: BLE001 - raised again, or as the cause
             raise watchdog.failure(conn, exc)  # noqa: B904
         finally:
             watchdog.done(conn)
-            if pooled:
-                await self._pool.putconn(conn)
+            await self._give(conn, until)
+
+    async def _take(self, wait: float | None) -> tuple[psycopg.AsyncConnection[Any], float | None]:
+        """`PostgresStore._take`, awaited; the pool opens on first use."""
+        kept = self._kept
+        if kept is not None and (found := kept.take()) is not None:
+            return found
+        try:
+            conn, pooled = await self._checkout(wait)
+        finally:
+            if kept is not None:
+                kept.waited()
+        return conn, monotonic() + KEEP_SECONDS if pooled else None
+
+    async def _give(self, conn: psycopg.AsyncConnection[Any], until: float | None) -> None:
+        if until is None:
+            await conn.close()
+            return
+        if _in_transaction(conn):
+            with suppress(psycopg.Error):
+                await conn.rollback()
+        back = conn if self._kept is None else self._kept.give(conn, until)
+        if back is not None:
+            await self._pool.putconn(back)
 
     async def _checkout(
         self, wait: float | None = None
     ) -> tuple[psycopg.AsyncConnection[Any], bool]:
+        if not self._opened:
+            await self._pool.open()
+            self._opened = True
         connector = self._connector
         if connector is None:
             return await self._pool.getconn(timeout=wait), True
@@ -1033,5 +1124,8 @@ class AsyncPostgresStore(AsyncSqlStore):
 
     async def aclose(self) -> None:
         self._watchdog.close()
+        if self._kept is not None:
+            for conn in self._kept.close():
+                await self._pool.putconn(conn)
         if self._owns_pool:
             await self._pool.close()

@@ -6,7 +6,7 @@ import copy
 import operator
 import zlib
 from datetime import UTC, timedelta
-from functools import cached_property
+from functools import cached_property, lru_cache
 from time import monotonic
 from typing import Any
 
@@ -35,6 +35,12 @@ _WAKE = (
     f"CASE WHEN NOT pg_try_advisory_xact_lock({WAKE_CLASS}, CAST(:wake AS integer))"
     " THEN pg_notify('idempo_wake_' || CAST(:wake AS integer), '') END"
 )
+
+
+def pg_interval(span: timedelta) -> str:
+    """A duration as PostgreSQL's interval input reads it, days as days, as psycopg sends a
+    timedelta (a day added in a time zone with daylight saving is a calendar day)."""
+    return f"{span.days} days {span.seconds}.{span.microseconds:06d} seconds"
 
 
 def pg_ms(timeout: timedelta) -> str:
@@ -79,8 +85,10 @@ class PostgresDialect(SqlDialect):
     # as db_span: a record's decode converts four times, and a Python frame each costs more.
     py_time = operator.methodcaller("astimezone", UTC)  # type: ignore[assignment]
 
-    # Durations go as intervals, unchanged: a builtin (no Python frame on the hot path).
-    db_span = staticmethod(operator.pos)  # type: ignore[assignment]
+    # Durations go as interval text, made once per value (few distinct ones are used): the
+    # statements cast them (``CAST(:lease AS interval)``), so any driver sends them as the
+    # plain text they are, where a timedelta costs a driver a dumper of its own per call.
+    db_span = staticmethod(lru_cache(maxsize=128)(pg_interval))
 
     def cast_time(self, name: str) -> str:
         return f"CAST(:{name} AS timestamptz)"
