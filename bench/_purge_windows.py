@@ -9,7 +9,7 @@ the pauses between them then see the same load around them, and only the purge t
 apart.
 
     windows = PurgeWindows(seconds=1.0)
-    purged = purge_records(store, batch=1000, rest=1.0, sleep=windows.sleep)
+    purged = purge_as_cli(store, batch=None, batch_time=None, rest=1.0, sleep=windows.sleep)
     windows.close()
     during, quiet = windows.split(samples)  # samples: (monotonic start, latency) per call
 
@@ -20,7 +20,29 @@ the samples may come from another process.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def purge_as_cli(
+    store: Any,
+    batch: int | None,
+    batch_time: float | None,
+    rest: float,
+    sleep: Callable[[float], object] = time.sleep,
+) -> int:
+    """What ``idempo purge --batch B --batch-time T --rest R`` does with ``store``'s expired
+    records, in whichever idempo is installed: its loop with batches sized by time
+    (idempo._purge), or the older one of fixed batches (``idempo.cli.purge_records``)."""
+    try:
+        from idempo._purge import purge_records
+    except ImportError:  # main before idempo._purge: fixed batches, the loop in the CLI
+        if batch_time:
+            raise SystemExit("this idempo has no --batch-time") from None
+        from idempo.cli import purge_records  # type: ignore[attr-defined,no-redef,unused-ignore]
+
+        return int(purge_records(store, batch=batch or 1000, rest=rest, sleep=sleep))
+    return int(purge_records(store, batch=batch, batch_time=batch_time, rest=rest, sleep=sleep))
 
 
 class PurgeWindows:

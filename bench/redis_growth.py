@@ -43,11 +43,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from _purge_windows import PurgeWindows
+from _purge_windows import PurgeWindows, purge_as_cli
 from _report import report
 from idempo import Scope, Status
 from idempo._core.record import Acquired, Replay
-from idempo.cli import purge_records
 from idempo.stores.redis import RedisStore, _ops
 from redis_store import cleanup
 
@@ -259,7 +258,13 @@ def with_db(url: str, db: int) -> str:
 
 
 def run(
-    url: str, records: int, expired: int, response_bytes: int, rest: float, small_db: int
+    url: str,
+    records: int,
+    expired: int,
+    response_bytes: int,
+    rest: float,
+    small_db: int,
+    batch_time: float | None = None,
 ) -> None:
     body = (b'{"id":"' + b"x" * response_bytes)[: max(response_bytes - 2, 0)] + b'"}'
     body = body[:response_bytes]
@@ -302,13 +307,13 @@ def run(
         windows = PurgeWindows(WINDOW_S)
         with live_caller(url) as samples:
             time.sleep(WINDOW_S)
-            purged = purge_records(store, batch=PURGE_LIMIT, rest=rest, sleep=windows.sleep)
+            purged = purge_as_cli(store, None, batch_time, rest, sleep=windows.sleep)
             windows.close()
         during, quiet = windows.split(samples)
         purge_s = windows.purging_seconds()
         print(
             f"purge: {purged} expired records in {purge_s:.2f} s of purging,"
-            f" {purged / purge_s:,.0f} records/s (limit {PURGE_LIMIT} per call, rest {rest:g};"
+            f" {purged / purge_s:,.0f} records/s (batch time {batch_time}, rest {rest:g};"
             f" paused {WINDOW_S:g} s after every {WINDOW_S:g} s)"
         )
         ratio = percentiles(during)[1] / percentiles(quiet)[1]
@@ -354,6 +359,11 @@ def main() -> None:
         help="idempo purge's rest between batches, times the batch's time (0: flat out)",
     )
     parser.add_argument(
+        "--batch-time",
+        type=float,
+        help="idempo purge's --batch-time, seconds (default: the store's; 0: fixed batches)",
+    )
+    parser.add_argument(
         "--small-db",
         type=int,
         default=SMALL_DB,
@@ -365,7 +375,15 @@ def main() -> None:
         args.records = min(args.records, 100_000)
         args.purge_records = min(args.purge_records or args.records, 100_000)
     expired = args.purge_records or args.records
-    run(args.url, args.records, expired, args.response_bytes, args.rest, args.small_db)
+    run(
+        args.url,
+        args.records,
+        expired,
+        args.response_bytes,
+        args.rest,
+        args.small_db,
+        args.batch_time,
+    )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from typing import Any
 import psycopg
 import pymysql
 
-from _purge_windows import PurgeWindows
+from _purge_windows import PurgeWindows, purge_as_cli
 from _report import report
 from idempo import Idempotency
 from idempo.stores.mysql import MySQLStore, connect_options
@@ -412,27 +412,24 @@ def reads(server: Server, small: int, big: int, pad: int) -> None:
         print(line)
 
 
-def purge_all(
-    store: Any, batch: int, rest: float, sleep: Callable[[float], None] = time.sleep
-) -> int:
-    """What ``idempo purge`` does with the records: its own loop when the CLI has one (with
-    its rest between batches, slept by ``sleep``), else batches until a short one, flat
-    out."""
-    try:
-        from idempo.cli import purge_records  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        total = 0
-        while (deleted := store.purge(limit=batch)) > 0:
-            total += deleted
-            if deleted < batch:
-                break
-        return total
-    return int(purge_records(store, batch=batch, rest=rest, sleep=sleep))
+@dataclass(frozen=True)
+class Purging:
+    """How the purge runs: ``idempo purge --batch --batch-time --rest`` (None: its default)."""
+
+    batch: int | None
+    batch_time: float | None
+    rest: float
+
+    def run(self, store: Any, sleep: Callable[[float], object] = time.sleep) -> int:
+        return purge_as_cli(store, self.batch, self.batch_time, self.rest, sleep)
+
+    def __str__(self) -> str:
+        batch = "default" if self.batch is None else self.batch
+        budget = "default" if self.batch_time is None else f"{self.batch_time * 1000:g} ms"
+        return f"batch {batch}, batch time {budget}, rest {self.rest:g}"
 
 
-def purge(
-    server: Server, name: str, big: int, count: int, batch: int, rest: float, fp: str, pad: int
-) -> None:
+def purge(server: Server, name: str, big: int, count: int, how: Purging, fp: str, pad: int) -> None:
     server.migrate("expired")
     started = time.perf_counter()
     server.load("expired", count, expired=True, fingerprint=fp, pad=pad)
@@ -440,36 +437,34 @@ def purge(
     store = server.store("expired", pool=1)
     try:
         started = time.perf_counter()
-        purged = purge_all(store, batch, rest)
+        purged = how.run(store)
         took = time.perf_counter() - started
-        rate = f"{purged / took:,.0f} records/s (batch {batch}, rest {rest:g})"
+        rate = f"{purged / took:,.0f} records/s ({how})"
         print(f"  purged {purged} in {took:.2f} s: {rate}")
-        path = f"{name} purge of {sized(count)} expired, records/s (rest {rest:g})"
+        path = f"{name} purge of {sized(count)} expired, records/s (rest {how.rest:g})"
         report("growth", path, purged / took, PURGE_GOAL[name], unit="")
         left = server.count("expired")
         if left:
             print(f"  !! {left} records left")
-        nothing = [timed(lambda: store.purge(limit=batch)) for _ in range(20)]
+        nothing = [timed(lambda: store.purge(limit=how.batch or 1000)) for _ in range(20)]
         print(f"  a purge that finds nothing, emptied table: {ms(statistics.median(nothing))} ms")
     finally:
         store.close()
     live = server.store(f"g{big}", pool=1)
     try:
-        nothing = [timed(lambda: live.purge(limit=batch)) for _ in range(20)]
+        nothing = [timed(lambda: live.purge(limit=how.batch or 1000)) for _ in range(20)]
         took_ms = ms(statistics.median(nothing))
         print(f"  a purge that finds nothing, {big} live records: {took_ms} ms")
     finally:
         live.close()
 
 
-def _purge_process(
-    kind: str, pg_url: str, mariadb_url: str, batch: int, done: Any, rest: float = 1.0
-) -> None:
+def _purge_process(kind: str, pg_url: str, mariadb_url: str, how: Purging, done: Any) -> None:
     server = make_server(kind, pg_url, mariadb_url)
     store = server.store("expired", pool=1)
     windows = PurgeWindows(WINDOW_S)
     try:
-        purged = purge_all(store, batch, rest, sleep=windows.sleep)
+        purged = how.run(store, sleep=windows.sleep)
         windows.close()
         done.put((purged, windows.spans))
     finally:
@@ -481,7 +476,9 @@ def live(
 ) -> None:
     server.migrate("expired")
     server.load("expired", count, expired=True, fingerprint=fp, pad=args.pad)
-    guard = Guarded(server.store(f"g{big}", pool=1), args.pad, f"g{big}")
+    # On the purged table the live calls meet the purge's locks too, not only its load.
+    table = "expired" if args.live_table == "purged" else f"g{big}"
+    guard = Guarded(server.store(table, pool=1), args.pad, table)
     try:
         for _ in range(300):
             guard.fresh()
@@ -489,7 +486,7 @@ def live(
         done = ctx.Queue()
         proc = ctx.Process(
             target=_purge_process,
-            args=(kind, args.pg_url, args.mariadb_url, args.batch, done, args.rest),
+            args=(kind, args.pg_url, args.mariadb_url, purging(args), done),
         )
 
         def at(op: Callable[[], None]) -> tuple[float, float]:
@@ -511,8 +508,9 @@ def live(
         windows.spans = spans
         took = windows.purging_seconds()
         print(
-            f"\nlive calls on {big} records during a purge of {purged} ({took:.1f} s of purging,"
-            f" paused {WINDOW_S:g} s after every {WINDOW_S:g} s) and in its pauses"
+            f"\nlive calls on {table} during a purge of {purged} ({took:.1f} s of purging,"
+            f" {purged / took:,.0f} records/s; {purging(args)}; paused {WINDOW_S:g} s after"
+            f" every {WINDOW_S:g} s) and in its pauses"
         )
         print(f"{'call':<10}{'p50 quiet':>10}{'p50 purge':>10}{'p99 quiet':>10}{'p99 purge':>10}"
               f"{'max quiet':>10}{'max purge':>10}{'p99 x':>7}")  # fmt: skip
@@ -610,7 +608,7 @@ def run(kind: str, args: argparse.Namespace) -> None:
         if "growth" in phases:
             growth(server, kind, args.small, args.records, args.calls, args.pad)
         if "purge" in phases:
-            purge(server, kind, args.records, args.records, args.batch, args.rest, fp, args.pad)
+            purge(server, kind, args.records, args.records, purging(args), fp, args.pad)
         if "live" in phases:
             live(server, kind, args, args.records, args.records, fp)
         if "concurrency" in phases:
@@ -620,13 +618,28 @@ def run(kind: str, args: argparse.Namespace) -> None:
             server.teardown()
 
 
+def purging(args: argparse.Namespace) -> Purging:
+    return Purging(args.batch, args.batch_time, args.rest)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--store", choices=["postgres", "mariadb", "both"], default="both")
     parser.add_argument("--records", type=int, default=1_000_000, help="N (default 10^6)")
     parser.add_argument("--small", type=int, default=10_000, help="the small table (10^4)")
     parser.add_argument("--calls", type=int, default=1500, help="growth calls per kind and size")
-    parser.add_argument("--batch", type=int, default=1000, help="purge batch (idempo purge's)")
+    parser.add_argument("--batch", type=int, help="idempo purge's --batch (default: its default)")
+    parser.add_argument(
+        "--batch-time",
+        type=float,
+        help="idempo purge's --batch-time, seconds (default: the store's; 0: fixed batches)",
+    )
+    parser.add_argument(
+        "--live-table",
+        choices=["other", "purged"],
+        default="other",
+        help="live calls on a table of N live records (other), or on the table being purged",
+    )
     parser.add_argument(
         "--rest", type=float, default=1.0, help="idempo purge's rest between batches (x its time)"
     )

@@ -16,8 +16,7 @@ import json
 import logging
 import re
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any
@@ -31,6 +30,7 @@ from rich.text import Text
 
 from . import __version__
 from ._core.keys import Scope
+from ._purge import BATCH, batch_seconds, purge_records
 from .encryption import sealed_key_id
 from .errors import ConfigurationError, InvalidKeyError, SchemaMissingError, StoreError
 from .stores import MIGRATE_HINT, open_store
@@ -310,35 +310,6 @@ def _outbox(store: Any, table: str | None) -> Outbox | None:
     return Outbox(table or outbox_table(store.dialect.table))
 
 
-def purge_records(
-    store: Any,
-    *,
-    batch: int = 1000,
-    before: datetime | None = None,
-    rest: float = 1.0,
-    sleep: Callable[[float], object] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> int:
-    """Delete ``store``'s expired records in batches of ``batch`` until one comes up short;
-    returns how many. After each full batch it rests ``rest`` times as long as the batch took,
-    so that a long purge leaves the database (and a small machine's cores) to live calls for
-    that share of the time; ``rest=0`` purges flat out.
-
-    >>> from idempo.stores.memory import MemoryStore
-    >>> purge_records(MemoryStore(), rest=0)
-    0
-    """
-    total = 0
-    while True:
-        started = clock()
-        deleted = int(store.purge(before=before, limit=batch))
-        total += deleted
-        if deleted < batch:
-            return total
-        if rest > 0:
-            sleep(rest * (clock() - started))
-
-
 @app.command()
 def purge(
     url: StoreUrl,
@@ -346,7 +317,22 @@ def purge(
         datetime | None,
         typer.Option(help="purge records expired before this (default: the store's now)"),
     ] = None,
-    batch: Annotated[int, typer.Option(min=1, help="records per delete")] = 1000,
+    batch: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="records per delete (default 1000); with a batch time, the most per delete"
+            " (default 10000)",
+        ),
+    ] = None,
+    batch_time: Annotated[
+        str | None,
+        typer.Option(
+            help="size each delete to take about this long: seconds (0.005) or ms (5ms);"
+            " 0: fixed batches of --batch (default: the store's own, PostgreSQL 1ms)",
+            show_default=False,
+        ),
+    ] = None,
     rest: Annotated[
         float,
         typer.Option(min=0, help="after each batch, pause this many times as long as it took"),
@@ -363,15 +349,18 @@ def purge(
     cutoff = None if before is None else before.astimezone(UTC)
     sent = 0
     outbox_missing = False
+    with _reported():
+        budget = None if batch_time is None else batch_seconds(batch_time)
     with _store(url, create=False) as store:
-        total = purge_records(store, batch=batch, before=cutoff, rest=rest)
+        total = purge_records(store, batch=batch, batch_time=budget, before=cutoff, rest=rest)
         outbox = _outbox(store, outbox_table)
         if outbox is not None:
             retention = timedelta(seconds=outbox_retention)
             try:
-                while (deleted := outbox.purge(store, retention=retention, limit=batch)) > 0:
+                limit = batch or BATCH
+                while (deleted := outbox.purge(store, retention=retention, limit=limit)) > 0:
                     sent += deleted
-                    if deleted < batch:
+                    if deleted < limit:
                         break
             except SchemaMissingError:
                 outbox_missing = True  # migrated before the outbox existed: nothing to purge

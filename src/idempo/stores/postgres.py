@@ -816,6 +816,10 @@ class PostgresStore(SqlStore):
     """
 
     dialect: PostgresDialect
+    # `idempo purge`'s time budget per batch, seconds (idempo._purge): batches of 1 ms,
+    # with a rest as long after each, kept live calls' p99 during a purge at that of its
+    # pauses on a small machine, where larger ones took a core from them (benchmarks.md).
+    purge_batch_time = 0.001
 
     def __init__(
         self,

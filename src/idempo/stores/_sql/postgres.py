@@ -296,17 +296,24 @@ class PostgresDialect(SqlDialect):
         # conditions again all the same, because READ COMMITTED re-checks only that clause on
         # a row version written after the statement's snapshot (issue 10, #1).
         # One row comes back, the count and the latest expiry, not a row per record.
+        # The batch commits without waiting for its WAL to reach the disk (or a synchronous
+        # standby): a crash can lose only the last few ms of deletions, of records that are
+        # still expired and that the next purge deletes again; a later commit that waits
+        # flushes the WAL up to itself, this delete included (docs/decisions.md). The
+        # setting is local (``true``) to the statement's own transaction, the pooled
+        # connection's autocommit one, so it ends with it.
         return (
             f"WITH gone AS (DELETE FROM {self.table} WHERE ctid = ANY(ARRAY("
             f"SELECT ctid FROM {self.table} WHERE {self.purgeable}"
             " ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED))"
             f" AND {self.expired} RETURNING expires_at)"
-            " SELECT count(*), max(expires_at) FROM gone"
+            " SELECT count(*), max(expires_at), set_config('synchronous_commit', 'off', true)"
+            " FROM gone"
         )
 
     def purge_batch(self, params: dict[str, Any]) -> SqlGen[tuple[int, Any]]:
         rows = yield Statement(self.purge_sql, params)
-        count, latest = rows[0] if rows else (0, None)
+        count, latest = rows[0][:2] if rows else (0, None)
         return int(count), latest
 
 
