@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from helpers import new_key
 from idempo import Idempotency, Policy, Scope
-from idempo.cli import app, purge_records
+from idempo._purge import purge_records
+from idempo.cli import app
 from idempo.events import key_digest
 from idempo.stores import open_store
 from idempo.testing import FakeClock
@@ -94,6 +95,41 @@ def test_purge_rests_after_each_full_batch_in_proportion_to_its_time() -> None:
     rests.clear()
     assert purge_records(Batches(), batch=3, rest=0, sleep=rests.append) == 7
     assert rests == []
+
+
+def test_purge_batch_time_reaches_the_loop_and_bad_values_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--batch-time takes seconds or ms and sizes the loop's batches (0: fixed batches);
+    without it the store's own budget is used. A bad value is one line, exit 2, before the
+    store is opened (no file made)."""
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    assert runner.invoke(app, ["migrate", url]).exit_code == 0
+    _completed_and_expired(url)
+    purged = runner.invoke(app, ["purge", url, "--batch-time", "5ms", "--batch", "50"])
+    assert purged.exit_code == 0, purged.output
+    assert "purged 1 record" in purged.output
+    asked: list[dict[str, Any]] = []
+
+    def loop(store: Any, **kwargs: Any) -> int:
+        asked.append(kwargs)
+        return 0
+
+    monkeypatch.setattr("idempo.cli.purge_records", loop)
+    for given, budget, batch in (
+        (["--batch-time", "5ms"], 0.005, None),
+        (["--batch-time", "0.25", "--batch", "9"], 0.25, 9),
+        (["--batch-time", "0"], 0.0, None),
+        ([], None, None),
+    ):
+        asked.clear()
+        assert runner.invoke(app, ["purge", url, *given]).exit_code == 0
+        assert asked[0]["batch_time"] == pytest.approx(budget)
+        assert asked[0]["batch"] == batch
+    fresh = f"sqlite:///{tmp_path / 'none.db'}"
+    for bad in ("fast", "-1", "5 minutes", "nan", ""):
+        one_line_error(runner.invoke(app, ["purge", fresh, "--batch-time", bad]), 2, "--batch-time")
+    assert not (tmp_path / "none.db").exists()
 
 
 def test_migrate_and_purge_on_postgresql(postgres_url: str, pg_schema: str) -> None:
