@@ -329,7 +329,7 @@ def purge(
         str | None,
         typer.Option(
             help="size each delete to take about this long: seconds (0.005) or ms (5ms);"
-            " 0: fixed batches of --batch (default: the store's own, PostgreSQL 1ms)",
+            " 0: fixed batches of --batch (default: the store's own: PostgreSQL 1ms, MariaDB 10ms)",
             show_default=False,
         ),
     ] = None,
