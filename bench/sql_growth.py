@@ -516,6 +516,11 @@ def live(
               f"{'max quiet':>10}{'max purge':>10}{'p99 x':>7}")  # fmt: skip
         for name, samples in (("fresh", fresh), ("replay", replay)):
             d, q = windows.split(samples)
+            if not d or not q:
+                # A purge shorter than one window (10^5 records on a fast server) has no
+                # pause to compare with.
+                print(f"{name:<10}purge over within {WINDOW_S:g} s: nothing to compare")
+                continue
             print(
                 f"{name:<10}{ms(pct(q, 0.5)):>10}{ms(pct(d, 0.5)):>10}{ms(pct(q, 0.99)):>10}"
                 f"{ms(pct(d, 0.99)):>10}{ms(max(q)):>10}{ms(max(d)):>10}"
