@@ -816,9 +816,10 @@ class PostgresStore(SqlStore):
     """
 
     dialect: PostgresDialect
-    # `idempo purge`'s time budget per batch, seconds (idempo._purge): batches of 1 ms,
-    # with a rest as long after each, kept live calls' p99 during a purge at that of its
-    # pauses on a small machine, where larger ones took a core from them (benchmarks.md).
+    # `idempo purge`'s time budget per batch, seconds (idempo._purge): a batch of 1 ms (a
+    # few hundred records) holds its row locks and a core that long at a time, and kept the
+    # purge above 100,000 records/s with a rest as long after each; live calls on the table
+    # being purged waited less than behind batches of 1000 (benchmarks.md).
     purge_batch_time = 0.001
 
     def __init__(

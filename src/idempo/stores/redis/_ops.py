@@ -34,8 +34,8 @@ from ._scripts import EVICT, PURGE, RELEASE, RENEW, RESERVE, SETTLE, UPGRADE
 _SCAN_COUNT = 500
 # The records purge reads from `expiring` at a time, and gives one script at a time: a
 # script holds Redis's one thread, so a small batch keeps the other clients' waits short
-# (pages of 256 and scripts of 32 put live calls' p99 during a purge at 1.5x; 64 and 16 at
-# 1.2x, for a few more round trips: benchmarks.md).
+# (pages of 256 and scripts of 32 put live calls' p99 during a purge at 1.4-2.6x that of
+# its pauses; 64 and 16 at 1.1-1.2x, for 0.75-0.9x the records/s: benchmarks.md).
 _PURGE_READ = 64
 _PURGE_BATCH = 16
 # Reads of a record whose times derive from its key's expiry, while it keeps changing.
