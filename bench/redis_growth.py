@@ -204,9 +204,11 @@ def latencies(stores: dict[int, RedisStore], body: bytes) -> dict[int, dict[str,
 # --------------------------------------------------------------------------- the live caller
 
 
-def live_main(url: str, stop: Any, out: Any) -> None:
-    """A second process: a paced fresh call every LIVE_EVERY_S; (start time, µs) per call."""
-    store = RedisStore(url, prefix=PREFIX)
+def live_main(url: str, stop: Any, out: Any, prefix: str) -> None:
+    """A second process: a paced fresh call every LIVE_EVERY_S; (start time, µs) per call.
+    Under the parent's ``prefix``, so that its cleanup deletes these keys too (a spawned
+    process draws a RUN_ID of its own)."""
+    store = RedisStore(url, prefix=prefix)
     samples: list[tuple[float, float]] = []
     body = b'{"id":"live"}'
     n = 0
@@ -235,7 +237,7 @@ def live_main(url: str, stop: Any, out: Any) -> None:
 def live_caller(url: str) -> Iterator[list[tuple[float, float]]]:
     context = multiprocessing.get_context("spawn")
     stop, out = context.Event(), context.Queue()
-    process = context.Process(target=live_main, args=(url, stop, out))
+    process = context.Process(target=live_main, args=(url, stop, out, PREFIX))
     process.start()
     samples: list[tuple[float, float]] = []
     try:
