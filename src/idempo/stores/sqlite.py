@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from .._core.ops import Reserve, StoreOp
-from .._core.record import Mismatch, Replay
+from .._core.ops import Reserve, Settle, StoreOp
+from .._core.record import Acquired, Mismatch, Replay
 from ..errors import StoreError, StoreUnavailableError
 from . import _clock, schema_missing
 from ._sql.binding import sqlalchemy_connection
@@ -84,6 +84,11 @@ def map_error(exc: BaseException) -> BaseException:
     if isinstance(exc, sqlite3.Error):
         return StoreError(f"SQLite failed: {exc}")
     return exc
+
+
+def _busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says another connection holds a lock."""
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in _BUSY
 
 
 def _open_failure(path: str, exc: sqlite3.Error, *, must_exist: bool) -> StoreUnavailableError:
@@ -265,6 +270,9 @@ class SQLiteStore(SqlStore):
         # 1, 2, 5, 10... ms between tries, which under concurrent requests is most of a
         # write's time. Other processes' writers are still waited for by busy_timeout.
         self._writer = threading.RLock()
+        # Whether the file has the token counter's triggers (`_triggered`): False until
+        # asked.
+        self._triggers = False
 
     def connect(self) -> sqlite3.Connection:
         """A new connection to the store's file, set up as idempo expects (WAL, busy timeout).
@@ -326,19 +334,25 @@ class SQLiteStore(SqlStore):
 
     def perform(self, op: StoreOp) -> Any:
         if type(op) is Reserve:
-            answer = self.answered(op)
-            if answer is not None:
+            answer = self.answered(op, alone=True)
+            if answer is not None and answer is not NOT_NOW:
                 return answer
+        elif type(op) is Settle and self.settle_alone(op) is True:
+            return None
         return super().perform(op)
 
-    def answered(self, op: Reserve, *, at_once: bool = False) -> Replay | Mismatch | None:
+    def answered(
+        self, op: Reserve, *, at_once: bool = False, alone: bool = False
+    ) -> Replay | Mismatch | Acquired | None:
         """The reservation ``op``'s answer if one read of its record gives it: a settled
         record's replay, or a mismatch (`SQLiteDialect.answered`). The read takes neither a
         write transaction nor this process's writer lock, and in WAL mode it never waits for
         another writer. None: the reservation must write (no record, one in progress or
         expired) or the read failed (the reservation then says why), and it decides again,
         atomically, on its own clock reading. ``at_once``: read on the connection that never
-        waits (`run_now`'s), as the event loop's thread does."""
+        waits (`run_now`'s), as the event loop's thread does. ``alone``: where the read
+        finds no record, reserve it with the one statement of `reserve_alone`; its
+        `NOT_NOW` is passed on."""
         if at_once and self.path == ":memory:":
             return None  # that connection would be a private, empty database
         dialect = self.dialect
@@ -349,10 +363,86 @@ class SQLiteStore(SqlStore):
         except (sqlite3.Error, StoreError):
             return None
         if not rows:
-            return None  # a fresh key: the clock is read by the reservation, under its lock
+            # A fresh key: the clock is read by the reservation, under its lock.
+            return self.reserve_alone(op, waits=not at_once) if alone else None
         # Judged on the same clock rule as the reservation (an injected time, else the
         # host's), read after the record was.
         return dialect.answered(rows, op, op.now or _clock.host_now())
+
+    def reserve_alone(self, op: Reserve, *, waits: bool) -> Acquired | None:
+        """A fresh key's reservation as one autocommit statement
+        (`SQLiteDialect.alone_insert_sql`), without a transaction: `Acquired`, or None
+        where it changed nothing (a record exists, the clock is not past the token counter,
+        the file predates the counter's triggers) and the transaction must decide; `NOT_NOW`
+        where it could not run without waiting for the write lock."""
+        conn = self._alone(waits)
+        if conn is None:
+            return NOT_NOW  # type: ignore[no-any-return]
+        try:
+            if not (self._triggers or self._triggered(conn)):
+                return None
+            now = self.dialect.db_time(op.now or _clock.host_now())
+            params = self.dialect.alone_reserve_params(op, now)
+            made = conn.execute(self.dialect.alone_insert_sql, params).rowcount
+        except sqlite3.Error as exc:
+            return NOT_NOW if _busy(exc) else None
+        finally:
+            self._writer.release()
+        return Acquired(now) if made else None
+
+    def settle_alone(self, op: Settle, *, waits: bool = True) -> bool | None:
+        """A settle within the reservation's retention as one autocommit UPDATE
+        (`SQLiteDialect.alone_settle_sql`): True if it settled; None where it changed
+        nothing (fenced, settled already, or its expiry must move) and the transaction
+        must decide; `NOT_NOW` where it could not run without waiting."""
+        conn = self._alone(waits)
+        if conn is None:
+            return NOT_NOW  # type: ignore[no-any-return]
+        try:
+            now = self.dialect.db_time(op.now or _clock.host_now())
+            params = self.dialect.alone_settle_params(op, now)
+            settled = conn.execute(self.dialect.alone_settle_sql, params).rowcount
+        except sqlite3.Error as exc:
+            return NOT_NOW if _busy(exc) else None
+        finally:
+            self._writer.release()
+        return True if settled else None
+
+    def _alone(self, waits: bool) -> sqlite3.Connection | None:
+        """The connection that never waits, with this process's writer lock taken (the
+        caller releases it), for one statement in autocommit; None where that cannot be
+        now: the turn of a write that checkpoints (`_CHECKPOINT_EVERY`), this process's
+        writer lock taken and ``waits`` False, or a store that never writes there."""
+        self._writes_at_once += 1  # not exact under threads: it only spreads checkpoints
+        if (
+            self._writes_at_once % _CHECKPOINT_EVERY == 0
+            or self.read_only
+            or self.path == ":memory:"
+        ):
+            return None
+        if waits:
+            if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
+                return None
+        elif not self._writer.acquire(blocking=False):
+            return None
+        try:
+            return self._connection(self._at_once)
+        except sqlite3.Error:
+            self._writer.release()
+            return None  # the transaction says why the file cannot be opened
+
+    def _triggered(self, conn: sqlite3.Connection) -> bool:
+        """Whether the file has the triggers that keep the token counter (`migrate` makes
+        them); asked once per store, and again after its `migrate`. Without them, fresh
+        reservations keep their transaction, which moves the counter itself."""
+        dialect = self.dialect
+        ((count,),) = conn.execute(dialect.triggers_sql, dialect.triggers_params).fetchall()
+        self._triggers = count == len(dialect.triggers)
+        return self._triggers
+
+    def migrate(self) -> None:
+        super().migrate()
+        self._triggers = False  # asked again: `migrate` may just have made them
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
@@ -403,7 +493,7 @@ class SQLiteStore(SqlStore):
             try:
                 conn.execute(begin)
             except sqlite3.OperationalError as exc:
-                if at_once is not None and exc.sqlite_errorcode & 0xFF in _BUSY:
+                if at_once is not None and _busy(exc):
                     return NOT_NOW
                 raise
             result = _Sqlite3Tx(conn, self.run).run(gen)
@@ -487,12 +577,26 @@ class AsyncSQLiteStore(AsyncSqlStore):
         super().__init__(self._sync.dialect, now=self._sync.run_now)
 
     def perform(self, op: StoreOp) -> Awaitable[Any]:
+        answer: Any
         if type(op) is Reserve:
-            # A settled record is answered from one read on the loop's thread.
-            answer = self._sync.answered(op, at_once=True)
-            if answer is not None:
-                return done_at_once(answer)
-        return super().perform(op)
+            # A settled record is answered from one read on the loop's thread, and a fresh
+            # key reserved by one statement there.
+            answer = self._sync.answered(op, at_once=True, alone=True)
+        elif type(op) is Settle:
+            answer = self._sync.settle_alone(op, waits=False)
+        else:
+            return super().perform(op)
+        if answer is None:
+            return super().perform(op)  # the transaction decides
+        if answer is NOT_NOW:
+            # The write lock is taken, or it is a checkpoint's turn: a worker thread's
+            # transaction waits for it (and its connection checkpoints).
+            return self.in_thread(op)
+        return done_at_once(None if answer is True else answer)
+
+    async def migrate(self) -> None:
+        await super().migrate()
+        self._sync._triggers = False  # asked again: `migrate` may just have made them
 
     async def run(self, gen: TxGen[T]) -> T:
         # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn

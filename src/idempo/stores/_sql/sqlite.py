@@ -1,4 +1,5 @@
-"""SQLite's statements: the steps of a reservation inside one write transaction."""
+"""SQLite's statements: the steps of a reservation inside one write transaction, and the
+single statements that stand for them on a fresh key (`alone_insert_sql`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 from ..._core.ops import Renew, Reserve, Settle
 from ..._core.record import Acquired, InProgress, Mismatch, Replay, Reservation, judge
 from ...errors import CorruptRecordError
-from .dialect import COLUMNS, Rows, SqlDialect, SqlGen, Statement
+from .dialect import COLUMNS, Rows, SqlDialect, SqlGen, Statement, derived_name
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_EVENTS = ("INSERT", "UPDATE OF token")
 
 
 class SQLiteDialect(SqlDialect):
@@ -25,6 +27,17 @@ class SQLiteDialect(SqlDialect):
 
     name = "sqlite"
     greatest = "max"
+
+    def __init__(self, table: str) -> None:
+        super().__init__(table)
+        schema, dot, bare = table.rpartition(".")
+        # What `migrate` names the triggers that move the counter; a statement inside a
+        # trigger may not name a schema, so the tables there go by their bare names.
+        self.triggers = (derived_name(table, "token_made"), derived_name(table, "token_moved"))
+        self._bare = (bare, self.tokens.rpartition(".")[2])
+        self.master = f"{schema}{dot}sqlite_master"
+        self.triggers_params = {"made": self.triggers[0].rpartition(".")[2]}
+        self.triggers_params["moved"] = self.triggers[1].rpartition(".")[2]
 
     def db_time(self, value: datetime) -> Any:
         return (value - _EPOCH) // timedelta(microseconds=1)
@@ -56,7 +69,84 @@ class SQLiteDialect(SqlDialect):
             # One row, made once; on an install from before it, past the largest token.
             f"INSERT INTO {self.tokens} (value) SELECT coalesce(max(token), 0)"
             f" FROM {self.table} WHERE NOT EXISTS (SELECT 1 FROM {self.tokens})",
+            *(
+                self._trigger(name, event)
+                for name, event in zip(self.triggers, _EVENTS, strict=True)
+            ),
         ]
+
+    def _trigger(self, name: str, event: str) -> str:
+        # The counter follows every token written, in the writing statement itself: a
+        # reservation that is one autocommit statement (`alone_insert_sql`) then needs no
+        # transaction of its own to keep it, and one that rolls back takes its move along.
+        table, tokens = self._bare
+        return (
+            f"CREATE TRIGGER IF NOT EXISTS {name} AFTER {event} ON {table}"
+            f" BEGIN UPDATE {tokens} SET value = NEW.token WHERE value < NEW.token; END"
+        )
+
+    @cached_property
+    def triggers_sql(self) -> str:
+        """How many of `triggers` the file has (2: `migrate` made them)."""
+        return (
+            f"SELECT count(*) FROM {self.master} WHERE type = 'trigger' AND name IN (:made, :moved)"
+        )
+
+    @cached_property
+    def alone_insert_sql(self) -> str:
+        """A fresh key's reservation as one statement, in autocommit: the record is made
+        with the reservation's time in microseconds as its token, only if that is past the
+        counter (every token handed out); the counter follows by trigger. Otherwise (a
+        record exists, or the clock is not past the counter) it changes nothing, and the
+        reservation takes its transaction, whose token is ``max(counter + 1, now)``: the
+        same token where both apply."""
+        now = ":now"
+        return (
+            f"INSERT INTO {self.table} ({self.insert_columns}) SELECT :principal, :operation,"
+            f" :key, :fingerprint, 'in_progress', {now}, {self.plus(now, 'lease')}, {now},"
+            f" {now}, {self.plus(now, 'lease_ttl')}"
+            f" WHERE {now} > (SELECT value FROM {self.tokens}) ON CONFLICT DO NOTHING"
+        )
+
+    def alone_reserve_params(self, op: Reserve, now: int) -> dict[str, Any]:
+        """`alone_insert_sql`'s parameters, at ``now`` (a database time)."""
+        scope = op.scope
+        return {
+            "principal": scope.principal,
+            "operation": scope.operation,
+            "key": scope.key,
+            "fingerprint": op.fingerprint,
+            "now": now,
+            "lease": self.db_span(op.lease),
+            "lease_ttl": self.db_span(op.lease + op.ttl),
+        }
+
+    def alone_settle_params(self, op: Settle, now: int) -> dict[str, Any]:
+        """`alone_settle_sql`'s parameters, at ``now`` (a database time)."""
+        scope = op.scope
+        return {
+            "principal": scope.principal,
+            "operation": scope.operation,
+            "key": scope.key,
+            "token": op.token,
+            "state": op.status.value,
+            "response": op.response,
+            "now": now,
+            "ttl": self.db_span(op.ttl),
+        }
+
+    @cached_property
+    def alone_settle_sql(self) -> str:
+        """`settle_update` where it leaves ``expires_at`` as it is (the reservation's expiry
+        already covers ``now + ttl``, as it does while the lease is held): a single UPDATE,
+        so autocommit makes it atomic. Nothing changed: the reservation's transaction
+        settles it (or says it is fenced)."""
+        return (
+            f"UPDATE {self.table} SET state = :state, response = :response,"
+            " lease_expires_at = NULL, updated_at = :now"
+            f" WHERE {self.where_scope} AND token = :token AND state = 'in_progress'"
+            f" AND expires_at >= {self.plus(':now', 'ttl')}"
+        )
 
     @cached_property
     def insert_sql(self) -> str:

@@ -796,6 +796,10 @@ class AsyncUnit(_Verbs):
                 return done_at_once(done)
         return self._perform(gen)
 
+    def in_thread(self, op: StoreOp) -> Awaitable[Any]:
+        """`perform`, by ``run`` only (never at once)."""
+        return self._perform(getattr(self._logic, _STEPS[type(op)])(op))
+
     async def _perform(self, gen: TxGen[Any]) -> Any:
         try:
             return await self._run(gen)
