@@ -264,6 +264,8 @@ class SQLiteStore(SqlStore):
         self._local = threading.local()
         self._at_once = threading.local()  # `run_now`'s connections, which never wait
         self._writes_at_once = 0
+        # Whether writes may run on the connections that never wait (`_alone`).
+        self._writes_alone = not read_only and path != ":memory:"
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         # This process's writers queue here, not in SQLite's busy handler: that one sleeps
@@ -328,9 +330,19 @@ class SQLiteStore(SqlStore):
             else:
                 conn = self._open(immutable=False, waits=False)
             local.conn = conn
+            # Kept with it: `Connection.execute` makes (and frees) a cursor each time.
+            local.cursor = conn.cursor()
             with self._lock:
                 self._connections.append(conn)
         return conn
+
+    def _cursor(self, local: threading.local) -> sqlite3.Cursor:
+        """The kept cursor of ``local``'s connection (opened if need be)."""
+        cursor: sqlite3.Cursor | None = getattr(local, "cursor", None)
+        if cursor is None:
+            self._connection(local)
+            cursor = local.cursor
+        return cursor
 
     def perform(self, op: StoreOp) -> Any:
         if type(op) is Reserve:
@@ -351,15 +363,17 @@ class SQLiteStore(SqlStore):
         expired) or the read failed (the reservation then says why), and it decides again,
         atomically, on its own clock reading. ``at_once``: read on the connection that never
         waits (`run_now`'s), as the event loop's thread does. ``alone``: where the read
-        finds no record, reserve it with the one statement of `reserve_alone`; its
-        `NOT_NOW` is passed on."""
+        finds no record, reserve the key with the one statement of `reserve_alone` (whose
+        `NOT_NOW` is passed on)."""
         if at_once and self.path == ":memory:":
             return None  # that connection would be a private, empty database
-        dialect = self.dialect
+        dialect, scope = self.dialect, op.scope
         try:
-            conn = self._connection(self._at_once if at_once else None)
+            cursor = self._cursor(self._at_once if at_once else self._local)
             # fetchall: the statement runs to its end, so no read snapshot stays open.
-            rows = conn.execute(dialect.select_sql, dialect.scope_params(op.scope)).fetchall()
+            rows = cursor.execute(
+                dialect.first_sql, (scope.principal, scope.operation, scope.key)
+            ).fetchall()
         except (sqlite3.Error, StoreError):
             return None
         if not rows:
@@ -374,69 +388,72 @@ class SQLiteStore(SqlStore):
         (`SQLiteDialect.alone_insert_sql`), without a transaction: `Acquired`, or None
         where it changed nothing (a record exists, the clock is not past the token counter,
         the file predates the counter's triggers) and the transaction must decide; `NOT_NOW`
-        where it could not run without waiting for the write lock."""
-        conn = self._alone(waits)
-        if conn is None:
+        where it could not run without waiting for the write lock (see `_alone`)."""
+        cursor = self._alone(waits)
+        if cursor is None:
             return NOT_NOW  # type: ignore[no-any-return]
+        dialect = self.dialect
         try:
-            if not (self._triggers or self._triggered(conn)):
+            if not (self._triggers or self._triggered(cursor)):
                 return None
-            now = self.dialect.db_time(op.now or _clock.host_now())
-            params = self.dialect.alone_reserve_params(op, now)
-            made = conn.execute(self.dialect.alone_insert_sql, params).rowcount
+            # Read under this process's writer lock, and the statement does not wait for
+            # another's: the lease starts when the record is made.
+            now = dialect.db_time(op.now or _clock.host_now())
+            cursor.execute(dialect.alone_insert_sql, dialect.alone_reserve_params(op, now))
         except sqlite3.Error as exc:
             return NOT_NOW if _busy(exc) else None
         finally:
             self._writer.release()
-        return Acquired(now) if made else None
+        return Acquired(now) if cursor.rowcount else None
 
     def settle_alone(self, op: Settle, *, waits: bool = True) -> bool | None:
         """A settle within the reservation's retention as one autocommit UPDATE
         (`SQLiteDialect.alone_settle_sql`): True if it settled; None where it changed
         nothing (fenced, settled already, or its expiry must move) and the transaction
-        must decide; `NOT_NOW` where it could not run without waiting."""
-        conn = self._alone(waits)
-        if conn is None:
+        must decide; `NOT_NOW` where it could not run without waiting (see `_alone`)."""
+        cursor = self._alone(waits)
+        if cursor is None:
             return NOT_NOW  # type: ignore[no-any-return]
+        dialect = self.dialect
         try:
-            now = self.dialect.db_time(op.now or _clock.host_now())
-            params = self.dialect.alone_settle_params(op, now)
-            settled = conn.execute(self.dialect.alone_settle_sql, params).rowcount
+            now = dialect.db_time(op.now or _clock.host_now())
+            cursor.execute(dialect.alone_settle_sql, dialect.alone_settle_params(op, now))
         except sqlite3.Error as exc:
             return NOT_NOW if _busy(exc) else None
         finally:
             self._writer.release()
-        return True if settled else None
+        return True if cursor.rowcount else None
 
-    def _alone(self, waits: bool) -> sqlite3.Connection | None:
-        """The connection that never waits, with this process's writer lock taken (the
-        caller releases it), for one statement in autocommit; None where that cannot be
-        now: the turn of a write that checkpoints (`_CHECKPOINT_EVERY`), this process's
-        writer lock taken and ``waits`` False, or a store that never writes there."""
+    def _alone(self, waits: bool) -> sqlite3.Cursor | None:
+        """The cursor of this thread's connection that never waits for another process's
+        lock (`run_now`'s), with this process's writer lock taken (the caller releases
+        it), for a write; ``waits``: for that writer lock, up to the busy timeout. None
+        where the write cannot be there now: the turn of a write that checkpoints
+        (`_CHECKPOINT_EVERY`: that connection never does), the writer lock taken, a store
+        that never writes there, a file that cannot be opened (the transaction says
+        why)."""
         self._writes_at_once += 1  # not exact under threads: it only spreads checkpoints
-        if (
-            self._writes_at_once % _CHECKPOINT_EVERY == 0
-            or self.read_only
-            or self.path == ":memory:"
+        if self._writes_at_once % _CHECKPOINT_EVERY == 0 or not self._writes_alone:
+            return None
+        writer = self._writer
+        if not (
+            writer.acquire(timeout=self._busy_timeout.total_seconds())
+            if waits
+            else writer.acquire(blocking=False)
         ):
             return None
-        if waits:
-            if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
-                return None
-        elif not self._writer.acquire(blocking=False):
-            return None
         try:
-            return self._connection(self._at_once)
+            return self._cursor(self._at_once)
         except sqlite3.Error:
-            self._writer.release()
-            return None  # the transaction says why the file cannot be opened
+            writer.release()
+            return None
 
-    def _triggered(self, conn: sqlite3.Connection) -> bool:
+    def _triggered(self, cursor: sqlite3.Cursor) -> bool:
         """Whether the file has the triggers that keep the token counter (`migrate` makes
         them); asked once per store, and again after its `migrate`. Without them, fresh
         reservations keep their transaction, which moves the counter itself."""
         dialect = self.dialect
-        ((count,),) = conn.execute(dialect.triggers_sql, dialect.triggers_params).fetchall()
+        ((count,),) = cursor.execute(dialect.triggers_sql, dialect.triggers_params).fetchall()
         self._triggers = count == len(dialect.triggers)
         return self._triggers
 
@@ -461,20 +478,11 @@ class SQLiteStore(SqlStore):
         waits for a lock (its connection's busy timeout is zero) and never checkpoints the
         write-ahead log; one write in `_CHECKPOINT_EVERY` goes to `run` instead, whose
         connections do (docs/decisions.md)."""
-        self._writes_at_once += 1  # not exact under threads: it only spreads checkpoints
-        if (
-            self._writes_at_once % _CHECKPOINT_EVERY == 0
-            or self.read_only
-            or self.path == ":memory:"
-            or not self._writer.acquire(blocking=False)
-        ):
+        cursor = self._alone(waits=False)
+        if cursor is None:
             return NOT_NOW
         try:
-            try:
-                conn = self._connection(self._at_once)
-            except sqlite3.Error:
-                return NOT_NOW  # `run` says why the file cannot be opened
-            return self._transaction(gen, "BEGIN IMMEDIATE", conn)
+            return self._transaction(gen, "BEGIN IMMEDIATE", cursor.connection)
         finally:
             self._writer.release()
 

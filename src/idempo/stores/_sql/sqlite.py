@@ -13,6 +13,8 @@ from ...errors import CorruptRecordError
 from .dialect import COLUMNS, Rows, SqlDialect, SqlGen, Statement, derived_name
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_US = timedelta(microseconds=1)
+_SPANS = 64  # durations remembered by `SQLiteDialect.span`, at most
 _EVENTS = ("INSERT", "UPDATE OF token")
 
 
@@ -36,11 +38,12 @@ class SQLiteDialect(SqlDialect):
         self.triggers = (derived_name(table, "token_made"), derived_name(table, "token_moved"))
         self._bare = (bare, self.tokens.rpartition(".")[2])
         self.master = f"{schema}{dot}sqlite_master"
+        self._spans: dict[timedelta, int] = {}
         self.triggers_params = {"made": self.triggers[0].rpartition(".")[2]}
         self.triggers_params["moved"] = self.triggers[1].rpartition(".")[2]
 
     def db_time(self, value: datetime) -> Any:
-        return (value - _EPOCH) // timedelta(microseconds=1)
+        return (value - _EPOCH) // _ONE_US
 
     def py_time(self, value: Any) -> datetime:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -79,9 +82,12 @@ class SQLiteDialect(SqlDialect):
         # The counter follows every token written, in the writing statement itself: a
         # reservation that is one autocommit statement (`alone_insert_sql`) then needs no
         # transaction of its own to keep it, and one that rolls back takes its move along.
+        # Integers only: SQLite orders any text after every number, so a hand-edited token
+        # ('abc') would leave a counter that no integer passes and `value + 1` reads as 1.
         table, tokens = self._bare
         return (
             f"CREATE TRIGGER IF NOT EXISTS {name} AFTER {event} ON {table}"
+            " WHEN typeof(NEW.token) = 'integer'"
             f" BEGIN UPDATE {tokens} SET value = NEW.token WHERE value < NEW.token; END"
         )
 
@@ -92,61 +98,65 @@ class SQLiteDialect(SqlDialect):
             f"SELECT count(*) FROM {self.master} WHERE type = 'trigger' AND name IN (:made, :moved)"
         )
 
+    # The statements of a fresh call on the store's own connections bind their parameters by
+    # position (``?N``): sqlite3 looks a named one up by a string it makes afresh each time.
     @cached_property
-    def alone_insert_sql(self) -> str:
-        """A fresh key's reservation as one statement, in autocommit: the record is made
-        with the reservation's time in microseconds as its token, only if that is past the
-        counter (every token handed out); the counter follows by trigger. Otherwise (a
-        record exists, or the clock is not past the counter) it changes nothing, and the
-        reservation takes its transaction, whose token is ``max(counter + 1, now)``: the
-        same token where both apply."""
-        now = ":now"
+    def first_sql(self) -> str:
+        """`select_sql`, on the parameters ``(principal, operation, key)``."""
         return (
-            f"INSERT INTO {self.table} ({self.insert_columns}) SELECT :principal, :operation,"
-            f" :key, :fingerprint, 'in_progress', {now}, {self.plus(now, 'lease')}, {now},"
-            f" {now}, {self.plus(now, 'lease_ttl')}"
-            f" WHERE {now} > (SELECT value FROM {self.tokens}) ON CONFLICT DO NOTHING"
+            f"SELECT {COLUMNS} FROM {self.table}"
+            " WHERE principal = ?1 AND operation = ?2 AND idem_key = ?3"
         )
 
-    def alone_reserve_params(self, op: Reserve, now: int) -> dict[str, Any]:
-        """`alone_insert_sql`'s parameters, at ``now`` (a database time)."""
-        scope = op.scope
-        return {
-            "principal": scope.principal,
-            "operation": scope.operation,
-            "key": scope.key,
-            "fingerprint": op.fingerprint,
-            "now": now,
-            "lease": self.db_span(op.lease),
-            "lease_ttl": self.db_span(op.lease + op.ttl),
-        }
+    @cached_property
+    def alone_insert_sql(self) -> str:
+        """A fresh key's reservation as one statement, in autocommit, on the parameters
+        of `alone_reserve_params`: the record is made with the reservation's time in
+        microseconds as its token, only if that is past the counter (every token handed
+        out); the counter follows by trigger. Otherwise (a record exists, or the clock is
+        not past the counter) it changes nothing, and the reservation takes its
+        transaction, whose token is ``max(counter + 1, now)``: the same token where both
+        apply."""
+        return (
+            f"INSERT INTO {self.table} ({self.insert_columns})"
+            " SELECT ?1, ?2, ?3, ?4, 'in_progress', ?5, ?5 + ?6, ?5, ?5, ?5 + ?7"
+            f" WHERE ?5 > (SELECT value FROM {self.tokens}) ON CONFLICT DO NOTHING"
+        )
 
-    def alone_settle_params(self, op: Settle, now: int) -> dict[str, Any]:
-        """`alone_settle_sql`'s parameters, at ``now`` (a database time)."""
-        scope = op.scope
-        return {
-            "principal": scope.principal,
-            "operation": scope.operation,
-            "key": scope.key,
-            "token": op.token,
-            "state": op.status.value,
-            "response": op.response,
-            "now": now,
-            "ttl": self.db_span(op.ttl),
-        }
+    def alone_reserve_params(self, op: Reserve, now: int) -> tuple[Any, ...]:
+        """`alone_insert_sql`'s parameters, at ``now`` (a database time)."""
+        scope, lease = op.scope, self.span(op.lease)
+        return (scope.principal, scope.operation, scope.key, op.fingerprint, now, lease,
+                lease + self.span(op.ttl))  # fmt: skip
 
     @cached_property
     def alone_settle_sql(self) -> str:
         """`settle_update` where it leaves ``expires_at`` as it is (the reservation's expiry
-        already covers ``now + ttl``, as it does while the lease is held): a single UPDATE,
-        so autocommit makes it atomic. Nothing changed: the reservation's transaction
-        settles it (or says it is fenced)."""
+        already covers ``now + ttl``, as it does while the lease is held), on the
+        parameters of `alone_settle_params`: a single UPDATE, so autocommit makes it
+        atomic. Nothing changed: the reservation's transaction settles it (or says it is
+        fenced)."""
         return (
-            f"UPDATE {self.table} SET state = :state, response = :response,"
-            " lease_expires_at = NULL, updated_at = :now"
-            f" WHERE {self.where_scope} AND token = :token AND state = 'in_progress'"
-            f" AND expires_at >= {self.plus(':now', 'ttl')}"
+            f"UPDATE {self.table} SET state = ?5, response = ?6, lease_expires_at = NULL,"
+            " updated_at = ?7 WHERE principal = ?1 AND operation = ?2 AND idem_key = ?3"
+            " AND token = ?4 AND state = 'in_progress' AND expires_at >= ?7 + ?8"
         )
+
+    def alone_settle_params(self, op: Settle, now: int) -> tuple[Any, ...]:
+        """`alone_settle_sql`'s parameters, at ``now`` (a database time)."""
+        scope = op.scope
+        return (scope.principal, scope.operation, scope.key, op.token, op.status.value,
+                op.response, now, self.span(op.ttl))  # fmt: skip
+
+    def span(self, value: timedelta) -> int:
+        """`db_span`, remembered: a policy passes the same few durations on every call."""
+        spans = self._spans
+        found = spans.get(value)
+        if found is None:
+            found = value // _ONE_US
+            if len(spans) < _SPANS:
+                spans[value] = found
+        return found
 
     @cached_property
     def insert_sql(self) -> str:
