@@ -272,9 +272,9 @@ class SQLiteStore(SqlStore):
         # 1, 2, 5, 10... ms between tries, which under concurrent requests is most of a
         # write's time. Other processes' writers are still waited for by busy_timeout.
         self._writer = threading.RLock()
-        # Whether the file has the token counter's triggers (`_triggered`): False until
-        # asked.
-        self._triggers = False
+        # Whether the file has the token counter's triggers (`_triggered`); None: not
+        # asked yet.
+        self._triggers: bool | None = None
 
     def connect(self) -> sqlite3.Connection:
         """A new connection to the store's file, set up as idempo expects (WAL, busy timeout).
@@ -394,7 +394,10 @@ class SQLiteStore(SqlStore):
             return NOT_NOW  # type: ignore[no-any-return]
         dialect = self.dialect
         try:
-            if not (self._triggers or self._triggered(cursor)):
+            triggers = self._triggers
+            if triggers is None:
+                triggers = self._triggered(cursor)
+            if not triggers:
                 return None
             # Read under this process's writer lock, and the statement does not wait for
             # another's: the lease starts when the record is made.
@@ -459,7 +462,7 @@ class SQLiteStore(SqlStore):
 
     def migrate(self) -> None:
         super().migrate()
-        self._triggers = False  # asked again: `migrate` may just have made them
+        self._triggers = None  # asked again: `migrate` may just have made them
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
@@ -604,7 +607,7 @@ class AsyncSQLiteStore(AsyncSqlStore):
 
     async def migrate(self) -> None:
         await super().migrate()
-        self._sync._triggers = False  # asked again: `migrate` may just have made them
+        self._sync._triggers = None  # asked again: `migrate` may just have made them
 
     async def run(self, gen: TxGen[T]) -> T:
         # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn

@@ -70,8 +70,14 @@ class SQLiteDialect(SqlDialect):
             f"CREATE INDEX IF NOT EXISTS {self.table}_expires_at ON {self.table} (expires_at)",
             f"CREATE TABLE IF NOT EXISTS {self.tokens} (value INTEGER NOT NULL)",
             # One row, made once; on an install from before it, past the largest token.
-            f"INSERT INTO {self.tokens} (value) SELECT coalesce(max(token), 0)"
-            f" FROM {self.table} WHERE NOT EXISTS (SELECT 1 FROM {self.tokens})",
+            # (The aggregate goes in a subquery: an aggregate over no rows is still a row,
+            # so a WHERE beside it added one more row on every migrate.)
+            f"INSERT INTO {self.tokens} (value) SELECT"
+            f" coalesce((SELECT max(token) FROM {self.table}), 0)"
+            f" WHERE NOT EXISTS (SELECT 1 FROM {self.tokens})",
+            # A file migrated more than once with that statement: the largest row stays.
+            f"DELETE FROM {self.tokens} WHERE rowid <>"
+            f" (SELECT rowid FROM {self.tokens} ORDER BY value DESC LIMIT 1)",
             *(
                 self._trigger(name, event)
                 for name, event in zip(self.triggers, _EVENTS, strict=True)
@@ -120,7 +126,7 @@ class SQLiteDialect(SqlDialect):
         return (
             f"INSERT INTO {self.table} ({self.insert_columns})"
             " SELECT ?1, ?2, ?3, ?4, 'in_progress', ?5, ?5 + ?6, ?5, ?5, ?5 + ?7"
-            f" WHERE ?5 > (SELECT value FROM {self.tokens}) ON CONFLICT DO NOTHING"
+            f" WHERE ?5 > (SELECT max(value) FROM {self.tokens}) ON CONFLICT DO NOTHING"
         )
 
     def alone_reserve_params(self, op: Reserve, now: int) -> tuple[Any, ...]:
