@@ -25,6 +25,7 @@ import pytest
 from typer.testing import CliRunner
 
 from idempo import FencedError, Scope, Status
+from idempo._core.ops import Reserve
 from idempo._core.record import Acquired, InProgress, Replay
 from idempo.cli import app
 from idempo.doctor import Level, diagnose
@@ -493,6 +494,53 @@ def test_duplicates_in_threads_have_one_winner(tmp_path: Path, asynchronous: boo
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_duplicates_in_processes_have_one_winner(tmp_path: Path, asynchronous: bool) -> None:
     _one_winner(_race(tmp_path, processes=True, asynchronous=asynchronous))
+
+
+def _statement(path: str, keys: list[str], barrier: Any, results: Any, index: int) -> None:
+    """For each key, at the barrier: the single INSERT itself, on a connection that waits
+    for the lock (so every duplicate runs it, one after another), each at its own instant.
+    Puts how many rows each changed."""
+    dialect = SQLiteStore(path).dialect
+    conn = sqlite3.connect(path, timeout=STEP, isolation_level=None)
+    made: list[int] = []
+    try:
+        for n, key in enumerate(keys):
+            op = Reserve(Scope.of(key, operation="pay"), "fp", None, LEASE, TTL)
+            params = dialect.alone_reserve_params(op, _us(T0) + n * DUPLICATES + index)
+            barrier.wait(STEP)
+            made.append(conn.execute(dialect.alone_insert_sql, params).rowcount)
+    finally:
+        conn.close()
+        results.put(made)
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_the_single_statement_makes_one_record_among_duplicates(
+    tmp_path: Path, processes: bool
+) -> None:
+    """SPEC §2 rule 1 for the statement alone: of duplicates that all run it, exactly one
+    makes the record; the rest change nothing (and would go on to the transaction)."""
+    path = tmp_path / "idempo.db"
+    _store(path).close()
+    keys = [f"k-{n}" for n in range(ROUNDS)]
+    context: Any = multiprocessing.get_context("spawn") if processes else None
+    barrier = context.Barrier(DUPLICATES) if processes else threading.Barrier(DUPLICATES)
+    results = context.Queue() if processes else queue.Queue()
+    kind = context.Process if processes else threading.Thread
+    workers = [
+        kind(target=_statement, args=(str(path), keys, barrier, results, index))
+        for index in range(DUPLICATES)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        made = [results.get(timeout=STEP * 2) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(STEP)
+    for n in range(ROUNDS):
+        assert sum(rows[n] for rows in made) == 1, made
+    assert _counter(path) >= _us(T0) + (ROUNDS - 1) * DUPLICATES
 
 
 # -- a holder killed -------------------------------------------------------------------------
