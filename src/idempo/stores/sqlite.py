@@ -368,8 +368,11 @@ class SQLiteStore(SqlStore):
         if at_once and self.path == ":memory:":
             return None  # that connection would be a private, empty database
         dialect, scope = self.dialect, op.scope
+        # Read where the reservation's statement will write: a connection that reads after
+        # another of this process wrote reads its pages again (its cache is stale).
+        alone = alone and self._writes_alone
         try:
-            cursor = self._cursor(self._at_once if at_once else self._local)
+            cursor = self._cursor(self._at_once if at_once or alone else self._local)
             # fetchall: the statement runs to its end, so no read snapshot stays open.
             rows = cursor.execute(
                 dialect.first_sql, (scope.principal, scope.operation, scope.key)
