@@ -444,31 +444,33 @@ def _duplicate(path: str, keys: list[str], barrier: Any, results: Any, asynchron
         results.put(answers)
 
 
+def _workers(
+    processes: bool, target: Any, args: list[tuple[Any, ...]], last: Any, *, indexed: bool = False
+) -> list[Any]:
+    """Run ``target(*args[i], barrier, results, last or i)`` in a thread or spawned process
+    each, sharing a barrier and a results queue; what each put there."""
+    context: Any = multiprocessing.get_context("spawn") if processes else None
+    barrier = context.Barrier(len(args)) if processes else threading.Barrier(len(args))
+    results = context.Queue() if processes else queue.Queue()
+    kind = context.Process if processes else threading.Thread
+    workers = [
+        kind(target=target, args=(*each, barrier, results, index if indexed else last))
+        for index, each in enumerate(args)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        return [results.get(timeout=STEP * 2) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(STEP)
+
+
 def _race(tmp_path: Path, *, processes: bool, asynchronous: bool = False) -> list[list[str]]:
     path = tmp_path / "idempo.db"
     _store(path).close()
     keys = [f"k-{n}" for n in range(ROUNDS)]
-    args = (str(path), keys)
-    if processes:
-        context: Any = multiprocessing.get_context("spawn")
-        barrier, results = context.Barrier(DUPLICATES), context.Queue()
-        workers: list[Any] = [
-            context.Process(target=_duplicate, args=(*args, barrier, results, asynchronous))
-            for _ in range(DUPLICATES)
-        ]
-    else:
-        barrier, results = threading.Barrier(DUPLICATES), queue.Queue()
-        workers = [
-            threading.Thread(target=_duplicate, args=(*args, barrier, results, asynchronous))
-            for _ in range(DUPLICATES)
-        ]
-    for worker in workers:
-        worker.start()
-    try:
-        answered = [results.get(timeout=STEP * 2) for _ in workers]
-    finally:
-        for worker in workers:
-            worker.join(STEP)
+    answered = _workers(processes, _duplicate, [(str(path), keys)] * DUPLICATES, asynchronous)
     store = SQLiteStore(str(path))
     try:
         for key in keys:
@@ -523,21 +525,7 @@ def test_the_single_statement_makes_one_record_among_duplicates(
     path = tmp_path / "idempo.db"
     _store(path).close()
     keys = [f"k-{n}" for n in range(ROUNDS)]
-    context: Any = multiprocessing.get_context("spawn") if processes else None
-    barrier = context.Barrier(DUPLICATES) if processes else threading.Barrier(DUPLICATES)
-    results = context.Queue() if processes else queue.Queue()
-    kind = context.Process if processes else threading.Thread
-    workers = [
-        kind(target=_statement, args=(str(path), keys, barrier, results, index))
-        for index in range(DUPLICATES)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
-        made = [results.get(timeout=STEP * 2) for _ in workers]
-    finally:
-        for worker in workers:
-            worker.join(STEP)
+    made = _workers(processes, _statement, [(str(path), keys)] * DUPLICATES, None, indexed=True)
     for n in range(ROUNDS):
         assert sum(rows[n] for rows in made) == 1, made
     assert _counter(path) >= _us(T0) + (ROUNDS - 1) * DUPLICATES

@@ -272,7 +272,7 @@ class SQLiteStore(SqlStore):
         # 1, 2, 5, 10... ms between tries, which under concurrent requests is most of a
         # write's time. Other processes' writers are still waited for by busy_timeout.
         self._writer = threading.RLock()
-        # Whether the file has the token counter's triggers (`_triggered`); None: not
+        # Whether the file has the token counter's triggers (`_has_triggers`); None: not
         # asked yet.
         self._triggers: bool | None = None
 
@@ -392,43 +392,40 @@ class SQLiteStore(SqlStore):
         where it changed nothing (a record exists, the clock is not past the token counter,
         the file predates the counter's triggers) and the transaction must decide; `NOT_NOW`
         where it could not run without waiting for the write lock (see `_alone`)."""
-        cursor = self._alone(waits)
-        if cursor is None:
-            return NOT_NOW  # type: ignore[no-any-return]
         dialect = self.dialect
-        try:
-            triggers = self._triggers
-            if triggers is None:
-                triggers = self._triggered(cursor)
-            if not triggers:
-                return None
-            # Read under this process's writer lock, and the statement does not wait for
-            # another's: the lease starts when the record is made.
-            now = dialect.db_time(op.now or _clock.host_now())
-            cursor.execute(dialect.alone_insert_sql, dialect.alone_reserve_params(op, now))
-        except sqlite3.Error as exc:
-            return NOT_NOW if _busy(exc) else None
-        finally:
-            self._writer.release()
-        return Acquired(now) if cursor.rowcount else None
+        made = self._written(op, dialect.alone_insert_sql, dialect.alone_reserve_params, waits)
+        return made if made is None or made is NOT_NOW else Acquired(made)
 
     def settle_alone(self, op: Settle, *, waits: bool = True) -> bool | None:
         """A settle within the reservation's retention as one autocommit UPDATE
         (`SQLiteDialect.alone_settle_sql`): True if it settled; None where it changed
         nothing (fenced, settled already, or its expiry must move) and the transaction
         must decide; `NOT_NOW` where it could not run without waiting (see `_alone`)."""
+        dialect = self.dialect
+        done = self._written(op, dialect.alone_settle_sql, dialect.alone_settle_params, waits)
+        return done if done is None or done is NOT_NOW else True
+
+    def _written(
+        self, op: Any, sql: str, params: Callable[[Any, int], tuple[Any, ...]], waits: bool
+    ) -> Any:
+        """Run ``sql`` alone, on ``params(op, now)``: ``now`` (a database time) if it
+        changed a row, None if not (or if it failed: the transaction says why), `NOT_NOW`
+        if it could not run without waiting. A reservation needs the counter's triggers."""
         cursor = self._alone(waits)
         if cursor is None:
-            return NOT_NOW  # type: ignore[no-any-return]
-        dialect = self.dialect
+            return NOT_NOW
         try:
-            now = dialect.db_time(op.now or _clock.host_now())
-            cursor.execute(dialect.alone_settle_sql, dialect.alone_settle_params(op, now))
+            if type(op) is Reserve and not self._has_triggers(cursor):
+                return None
+            # Read under this process's writer lock, and the statement does not wait for
+            # another's: a lease starts when its record is made.
+            now = self.dialect.db_time(op.now or _clock.host_now())
+            cursor.execute(sql, params(op, now))
         except sqlite3.Error as exc:
             return NOT_NOW if _busy(exc) else None
         finally:
             self._writer.release()
-        return True if cursor.rowcount else None
+        return now if cursor.rowcount else None
 
     def _alone(self, waits: bool) -> sqlite3.Cursor | None:
         """The cursor of this thread's connection that never waits for another process's
@@ -454,14 +451,16 @@ class SQLiteStore(SqlStore):
             writer.release()
             return None
 
-    def _triggered(self, cursor: sqlite3.Cursor) -> bool:
+    def _has_triggers(self, cursor: sqlite3.Cursor) -> bool:
         """Whether the file has the triggers that keep the token counter (`migrate` makes
         them); asked once per store, and again after its `migrate`. Without them, fresh
         reservations keep their transaction, which moves the counter itself."""
-        dialect = self.dialect
-        ((count,),) = cursor.execute(dialect.triggers_sql, dialect.triggers_params).fetchall()
-        self._triggers = count == len(dialect.triggers)
-        return self._triggers
+        triggers = self._triggers
+        if triggers is None:
+            dialect = self.dialect
+            ((count,),) = cursor.execute(dialect.triggers_sql, dialect.triggers_params).fetchall()
+            triggers = self._triggers = count == len(dialect.triggers)
+        return triggers
 
     def migrate(self) -> None:
         super().migrate()
