@@ -1,10 +1,12 @@
 """SQLite store: an embedded file, WAL mode, safe across threads and processes.
 
-Every verb that writes runs in a ``BEGIN IMMEDIATE`` transaction, so reservation is atomic
-across processes sharing the file. A reservation first reads the record, without a
-transaction or the writer lock: a settled record is replayed (and a mismatch refused) from
-that one read, and anything else goes on to the reserving write. Transactional mode runs on
-the app's own ``sqlite3.Connection`` (or a SQLAlchemy session on SQLite).
+A verb that writes runs in a ``BEGIN IMMEDIATE`` transaction, or as one autocommit
+statement, so reservation is atomic across processes sharing the file. A reservation first
+reads the record, without a transaction or the writer lock: a settled record is replayed (and
+a mismatch refused) from that one read; a fresh key is reserved by one ``INSERT``, and a
+settle within the retention is one ``UPDATE`` (`SQLiteStore.reserve_alone`,
+`SQLiteStore.settle_alone`); anything else goes on to the transaction. Transactional mode
+runs on the app's own ``sqlite3.Connection`` (or a SQLAlchemy session on SQLite).
 
     store = SQLiteStore("app.db")
     store.migrate()

@@ -22,9 +22,9 @@ class SQLiteDialect(SqlDialect):
     """SQLite: the same steps as separate statements inside one write transaction.
 
     Times are integer microseconds since the epoch, so comparisons are exact. The token
-    counter is a one-row table, read by the reservation and moved inside its transaction;
-    a fresh token is also at least the reservation's time in microseconds (see
-    `next_token`).
+    counter is a one-row table, read by the reservation and moved inside its transaction
+    (and by triggers, on a file migrated since they exist, with every token written); a
+    fresh token is also at least the reservation's time in microseconds (see `next_token`).
     """
 
     name = "sqlite"
