@@ -175,14 +175,25 @@ def arm_sql(store: Any, plan: Plan, *, asynchronous: bool) -> None:
         store.run = store._run = arun
         # Every operation goes through `run`, where one can hang or be cancelled: a store
         # that writes at once when it can (AsyncSQLiteStore) runs the same transaction code
-        # as its sync twin, whose faults the sync tests inject.
+        # as its sync twin, whose faults the sync tests inject, and so do its single
+        # statements (a fresh reservation, a settle).
         store._now = None
+        if hasattr(store, "_sync"):
+            store._sync._writes_alone = False
     else:
 
         def srun(gen: Any) -> Any:
             return perform(plan, name(gen), lambda: run(gen))
 
         store.run = store._run = srun
+        written = getattr(store, "_written", None)
+        if written is not None:
+            # SQLiteStore's single statements, which write without `run`.
+            def swritten(op: Any, *args: Any) -> Any:
+                alone = f"store.{type(op).__name__.lower()}_alone"
+                return perform(plan, alone, lambda: written(op, *args))
+
+            store._written = swritten
 
 
 class BindFaults:

@@ -395,9 +395,28 @@ def _sqlite(store: Any) -> Iterator[Finding]:
         "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :name",
         {"name": store.dialect.tokens},
     )
-    yield _schema(store, {str(c) for (c,) in columns}, bool(tokens))
+    schema = _schema(store, {str(c) for (c,) in columns}, bool(tokens))
+    yield schema
+    if schema.level is Level.PASS:
+        yield _token_triggers(store)
     yield Finding(
         "clock", Level.PASS, "SQLite decides on this host's clock: there is no other", None, "host"
+    )
+
+
+def _token_triggers(store: Any) -> Finding:
+    dialect = store.dialect
+    ((count,),) = _query(store, dialect.triggers_sql, dialect.triggers_params)
+    if count == len(dialect.triggers):
+        return Finding("token_triggers", Level.PASS, "triggers keep the token counter", None, "ok")
+    return Finding(
+        "token_triggers",
+        Level.WARN,
+        f"the file predates the triggers that keep the token counter {dialect.tokens}:"
+        " every fresh reservation takes a write transaction of its own (slower, and"
+        " correct)",
+        "run `idempo migrate URL` again: it adds the triggers and changes nothing else",
+        "missing",
     )
 
 

@@ -1,10 +1,12 @@
 """SQLite store: an embedded file, WAL mode, safe across threads and processes.
 
-Every verb that writes runs in a ``BEGIN IMMEDIATE`` transaction, so reservation is atomic
-across processes sharing the file. A reservation first reads the record, without a
-transaction or the writer lock: a settled record is replayed (and a mismatch refused) from
-that one read, and anything else goes on to the reserving write. Transactional mode runs on
-the app's own ``sqlite3.Connection`` (or a SQLAlchemy session on SQLite).
+A verb that writes runs in a ``BEGIN IMMEDIATE`` transaction, or as one autocommit
+statement, so reservation is atomic across processes sharing the file. A reservation first
+reads the record, without a transaction or the writer lock: a settled record is replayed (and
+a mismatch refused) from that one read; a fresh key is reserved by one ``INSERT``, and a
+settle within the retention is one ``UPDATE`` (`SQLiteStore.reserve_alone`,
+`SQLiteStore.settle_alone`); anything else goes on to the transaction. Transactional mode
+runs on the app's own ``sqlite3.Connection`` (or a SQLAlchemy session on SQLite).
 
     store = SQLiteStore("app.db")
     store.migrate()
@@ -22,8 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from .._core.ops import Reserve, StoreOp
-from .._core.record import Mismatch, Replay
+from .._core.ops import Reserve, Settle, StoreOp
+from .._core.record import Acquired, Mismatch, Replay
 from ..errors import StoreError, StoreUnavailableError
 from . import _clock, schema_missing
 from ._sql.binding import sqlalchemy_connection
@@ -84,6 +86,11 @@ def map_error(exc: BaseException) -> BaseException:
     if isinstance(exc, sqlite3.Error):
         return StoreError(f"SQLite failed: {exc}")
     return exc
+
+
+def _busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says another connection holds a lock."""
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in _BUSY
 
 
 def _open_failure(path: str, exc: sqlite3.Error, *, must_exist: bool) -> StoreUnavailableError:
@@ -259,12 +266,17 @@ class SQLiteStore(SqlStore):
         self._local = threading.local()
         self._at_once = threading.local()  # `run_now`'s connections, which never wait
         self._writes_at_once = 0
+        # Whether writes may run on the connections that never wait (`_alone`).
+        self._writes_alone = not read_only and path != ":memory:"
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         # This process's writers queue here, not in SQLite's busy handler: that one sleeps
         # 1, 2, 5, 10... ms between tries, which under concurrent requests is most of a
         # write's time. Other processes' writers are still waited for by busy_timeout.
         self._writer = threading.RLock()
+        # Whether the file has the token counter's triggers (`_has_triggers`); None: not
+        # asked yet.
+        self._triggers: bool | None = None
 
     def connect(self) -> sqlite3.Connection:
         """A new connection to the store's file, set up as idempo expects (WAL, busy timeout).
@@ -320,39 +332,141 @@ class SQLiteStore(SqlStore):
             else:
                 conn = self._open(immutable=False, waits=False)
             local.conn = conn
+            # Kept with it: `Connection.execute` makes (and frees) a cursor each time.
+            local.cursor = conn.cursor()
             with self._lock:
                 self._connections.append(conn)
         return conn
 
+    def _cursor(self, local: threading.local) -> sqlite3.Cursor:
+        """The kept cursor of ``local``'s connection (opened if need be)."""
+        cursor: sqlite3.Cursor | None = getattr(local, "cursor", None)
+        if cursor is None:
+            self._connection(local)
+            cursor = local.cursor
+        return cursor
+
     def perform(self, op: StoreOp) -> Any:
         if type(op) is Reserve:
-            answer = self.answered(op)
-            if answer is not None:
+            answer = self.answered(op, alone=True)
+            if answer is not None and answer is not NOT_NOW:
                 return answer
+        elif type(op) is Settle and self.settle_alone(op) is True:
+            return None
         return super().perform(op)
 
-    def answered(self, op: Reserve, *, at_once: bool = False) -> Replay | Mismatch | None:
+    def answered(
+        self, op: Reserve, *, at_once: bool = False, alone: bool = False
+    ) -> Replay | Mismatch | Acquired | None:
         """The reservation ``op``'s answer if one read of its record gives it: a settled
         record's replay, or a mismatch (`SQLiteDialect.answered`). The read takes neither a
         write transaction nor this process's writer lock, and in WAL mode it never waits for
         another writer. None: the reservation must write (no record, one in progress or
         expired) or the read failed (the reservation then says why), and it decides again,
         atomically, on its own clock reading. ``at_once``: read on the connection that never
-        waits (`run_now`'s), as the event loop's thread does."""
+        waits (`run_now`'s), as the event loop's thread does. ``alone``: where the read
+        finds no record, reserve the key with the one statement of `reserve_alone` (whose
+        `NOT_NOW` is passed on)."""
         if at_once and self.path == ":memory:":
             return None  # that connection would be a private, empty database
-        dialect = self.dialect
+        dialect, scope = self.dialect, op.scope
+        # Read where the reservation's statement will write: a connection that reads after
+        # another of this process wrote reads its pages again (its cache is stale).
+        alone = alone and self._writes_alone
         try:
-            conn = self._connection(self._at_once if at_once else None)
+            cursor = self._cursor(self._at_once if at_once or alone else self._local)
             # fetchall: the statement runs to its end, so no read snapshot stays open.
-            rows = conn.execute(dialect.select_sql, dialect.scope_params(op.scope)).fetchall()
+            rows = cursor.execute(
+                dialect.first_sql, (scope.principal, scope.operation, scope.key)
+            ).fetchall()
         except (sqlite3.Error, StoreError):
             return None
         if not rows:
-            return None  # a fresh key: the clock is read by the reservation, under its lock
+            # A fresh key: the clock is read by the reservation, under its lock.
+            return self.reserve_alone(op, waits=not at_once) if alone else None
         # Judged on the same clock rule as the reservation (an injected time, else the
         # host's), read after the record was.
         return dialect.answered(rows, op, op.now or _clock.host_now())
+
+    def reserve_alone(self, op: Reserve, *, waits: bool) -> Acquired | None:
+        """A fresh key's reservation as one autocommit statement
+        (`SQLiteDialect.alone_insert_sql`), without a transaction: `Acquired`, or None
+        where it changed nothing (a record exists, the clock is not past the token counter,
+        the file predates the counter's triggers) and the transaction must decide; `NOT_NOW`
+        where it could not run without waiting for the write lock (see `_alone`)."""
+        dialect = self.dialect
+        made = self._written(op, dialect.alone_insert_sql, dialect.alone_reserve_params, waits)
+        return made if made is None or made is NOT_NOW else Acquired(made)
+
+    def settle_alone(self, op: Settle, *, waits: bool = True) -> bool | None:
+        """A settle within the reservation's retention as one autocommit UPDATE
+        (`SQLiteDialect.alone_settle_sql`): True if it settled; None where it changed
+        nothing (fenced, settled already, or its expiry must move) and the transaction
+        must decide; `NOT_NOW` where it could not run without waiting (see `_alone`)."""
+        dialect = self.dialect
+        done = self._written(op, dialect.alone_settle_sql, dialect.alone_settle_params, waits)
+        return done if done is None or done is NOT_NOW else True
+
+    def _written(
+        self, op: Any, sql: str, params: Callable[[Any, int], tuple[Any, ...]], waits: bool
+    ) -> Any:
+        """Run ``sql`` alone, on ``params(op, now)``: ``now`` (a database time) if it
+        changed a row, None if not (or if it failed: the transaction says why), `NOT_NOW`
+        if it could not run without waiting. A reservation needs the counter's triggers."""
+        cursor = self._alone(waits)
+        if cursor is None:
+            return NOT_NOW
+        try:
+            if type(op) is Reserve and not self._has_triggers(cursor):
+                return None
+            # Read under this process's writer lock, and the statement does not wait for
+            # another's: a lease starts when its record is made.
+            now = self.dialect.db_time(op.now or _clock.host_now())
+            cursor.execute(sql, params(op, now))
+        except sqlite3.Error as exc:
+            return NOT_NOW if _busy(exc) else None
+        finally:
+            self._writer.release()
+        return now if cursor.rowcount else None
+
+    def _alone(self, waits: bool) -> sqlite3.Cursor | None:
+        """The cursor of this thread's connection that never waits for another process's
+        lock (`run_now`'s), with this process's writer lock taken (the caller releases
+        it), for a write; ``waits``: for that writer lock, up to the busy timeout. None
+        where the write cannot be there now: the turn of a write that checkpoints
+        (`_CHECKPOINT_EVERY`: that connection never does), the writer lock taken, a store
+        that never writes there, a file that cannot be opened (the transaction says
+        why)."""
+        self._writes_at_once += 1  # not exact under threads: it only spreads checkpoints
+        if self._writes_at_once % _CHECKPOINT_EVERY == 0 or not self._writes_alone:
+            return None
+        writer = self._writer
+        if not (
+            writer.acquire(timeout=self._busy_timeout.total_seconds())
+            if waits
+            else writer.acquire(blocking=False)
+        ):
+            return None
+        try:
+            return self._cursor(self._at_once)
+        except sqlite3.Error:
+            writer.release()
+            return None
+
+    def _has_triggers(self, cursor: sqlite3.Cursor) -> bool:
+        """Whether the file has the triggers that keep the token counter (`migrate` makes
+        them); asked once per store, and again after its `migrate`. Without them, fresh
+        reservations keep their transaction, which moves the counter itself."""
+        triggers = self._triggers
+        if triggers is None:
+            dialect = self.dialect
+            ((count,),) = cursor.execute(dialect.triggers_sql, dialect.triggers_params).fetchall()
+            triggers = self._triggers = count == len(dialect.triggers)
+        return triggers
+
+    def migrate(self) -> None:
+        super().migrate()
+        self._triggers = None  # asked again: `migrate` may just have made them
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
@@ -371,20 +485,11 @@ class SQLiteStore(SqlStore):
         waits for a lock (its connection's busy timeout is zero) and never checkpoints the
         write-ahead log; one write in `_CHECKPOINT_EVERY` goes to `run` instead, whose
         connections do (docs/decisions.md)."""
-        self._writes_at_once += 1  # not exact under threads: it only spreads checkpoints
-        if (
-            self._writes_at_once % _CHECKPOINT_EVERY == 0
-            or self.read_only
-            or self.path == ":memory:"
-            or not self._writer.acquire(blocking=False)
-        ):
+        cursor = self._alone(waits=False)
+        if cursor is None:
             return NOT_NOW
         try:
-            try:
-                conn = self._connection(self._at_once)
-            except sqlite3.Error:
-                return NOT_NOW  # `run` says why the file cannot be opened
-            return self._transaction(gen, "BEGIN IMMEDIATE", conn)
+            return self._transaction(gen, "BEGIN IMMEDIATE", cursor.connection)
         finally:
             self._writer.release()
 
@@ -403,7 +508,7 @@ class SQLiteStore(SqlStore):
             try:
                 conn.execute(begin)
             except sqlite3.OperationalError as exc:
-                if at_once is not None and exc.sqlite_errorcode & 0xFF in _BUSY:
+                if at_once is not None and _busy(exc):
                     return NOT_NOW
                 raise
             result = _Sqlite3Tx(conn, self.run).run(gen)
@@ -487,12 +592,26 @@ class AsyncSQLiteStore(AsyncSqlStore):
         super().__init__(self._sync.dialect, now=self._sync.run_now)
 
     def perform(self, op: StoreOp) -> Awaitable[Any]:
+        answer: Any
         if type(op) is Reserve:
-            # A settled record is answered from one read on the loop's thread.
-            answer = self._sync.answered(op, at_once=True)
-            if answer is not None:
-                return done_at_once(answer)
-        return super().perform(op)
+            # A settled record is answered from one read on the loop's thread, and a fresh
+            # key reserved by one statement there.
+            answer = self._sync.answered(op, at_once=True, alone=True)
+        elif type(op) is Settle:
+            answer = self._sync.settle_alone(op, waits=False)
+        else:
+            return super().perform(op)
+        if answer is None:
+            return super().perform(op)  # the transaction decides
+        if answer is NOT_NOW:
+            # The write lock is taken, or it is a checkpoint's turn: a worker thread's
+            # transaction waits for it (and its connection checkpoints).
+            return self.in_thread(op)
+        return done_at_once(None if answer is True else answer)
+
+    async def migrate(self) -> None:
+        await super().migrate()
+        self._sync._triggers = None  # asked again: `migrate` may just have made them
 
     async def run(self, gen: TxGen[T]) -> T:
         # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn

@@ -1,4 +1,5 @@
-"""SQLite's statements: the steps of a reservation inside one write transaction."""
+"""SQLite's statements: the steps of a reservation inside one write transaction, and the
+single statements that stand for them on a fresh key (`alone_insert_sql`)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,40 @@ from typing import Any
 from ..._core.ops import Renew, Reserve, Settle
 from ..._core.record import Acquired, InProgress, Mismatch, Replay, Reservation, judge
 from ...errors import CorruptRecordError
-from .dialect import COLUMNS, Rows, SqlDialect, SqlGen, Statement
+from .dialect import COLUMNS, Rows, SqlDialect, SqlGen, Statement, derived_name
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_US = timedelta(microseconds=1)
+_SPANS = 64  # durations remembered by `SQLiteDialect.span`, at most
+_EVENTS = ("INSERT", "UPDATE OF token")
 
 
 class SQLiteDialect(SqlDialect):
     """SQLite: the same steps as separate statements inside one write transaction.
 
     Times are integer microseconds since the epoch, so comparisons are exact. The token
-    counter is a one-row table, read by the reservation and moved inside its transaction;
-    a fresh token is also at least the reservation's time in microseconds (see
-    `next_token`).
+    counter is a one-row table, read by the reservation and moved inside its transaction
+    (and by triggers, on a file migrated since they exist, with every token written); a
+    fresh token is also at least the reservation's time in microseconds (see `next_token`).
     """
 
     name = "sqlite"
     greatest = "max"
 
+    def __init__(self, table: str) -> None:
+        super().__init__(table)
+        schema, dot, bare = table.rpartition(".")
+        # What `migrate` names the triggers that move the counter; a statement inside a
+        # trigger may not name a schema, so the tables there go by their bare names.
+        self.triggers = (derived_name(table, "token_made"), derived_name(table, "token_moved"))
+        self._bare = (bare, self.tokens.rpartition(".")[2])
+        self.master = f"{schema}{dot}sqlite_master"
+        self._spans: dict[timedelta, int] = {}
+        self.triggers_params = {"made": self.triggers[0].rpartition(".")[2]}
+        self.triggers_params["moved"] = self.triggers[1].rpartition(".")[2]
+
     def db_time(self, value: datetime) -> Any:
-        return (value - _EPOCH) // timedelta(microseconds=1)
+        return (value - _EPOCH) // _ONE_US
 
     def py_time(self, value: Any) -> datetime:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -54,9 +70,99 @@ class SQLiteDialect(SqlDialect):
             f"CREATE INDEX IF NOT EXISTS {self.table}_expires_at ON {self.table} (expires_at)",
             f"CREATE TABLE IF NOT EXISTS {self.tokens} (value INTEGER NOT NULL)",
             # One row, made once; on an install from before it, past the largest token.
-            f"INSERT INTO {self.tokens} (value) SELECT coalesce(max(token), 0)"
-            f" FROM {self.table} WHERE NOT EXISTS (SELECT 1 FROM {self.tokens})",
+            # (The aggregate goes in a subquery: an aggregate over no rows is still a row,
+            # so a WHERE beside it added one more row on every migrate.)
+            f"INSERT INTO {self.tokens} (value) SELECT"
+            f" coalesce((SELECT max(token) FROM {self.table}), 0)"
+            f" WHERE NOT EXISTS (SELECT 1 FROM {self.tokens})",
+            # A file migrated more than once with that statement: the largest row stays.
+            f"DELETE FROM {self.tokens} WHERE rowid <>"
+            f" (SELECT rowid FROM {self.tokens} ORDER BY value DESC LIMIT 1)",
+            *(
+                self._trigger(name, event)
+                for name, event in zip(self.triggers, _EVENTS, strict=True)
+            ),
         ]
+
+    def _trigger(self, name: str, event: str) -> str:
+        # The counter follows every token written, in the writing statement itself: a
+        # reservation that is one autocommit statement (`alone_insert_sql`) then needs no
+        # transaction of its own to keep it, and one that rolls back takes its move along.
+        # Integers only: SQLite orders any text after every number, so a hand-edited token
+        # ('abc') would leave a counter that no integer passes and `value + 1` reads as 1.
+        table, tokens = self._bare
+        return (
+            f"CREATE TRIGGER IF NOT EXISTS {name} AFTER {event} ON {table}"
+            " WHEN typeof(NEW.token) = 'integer'"
+            f" BEGIN UPDATE {tokens} SET value = NEW.token WHERE value < NEW.token; END"
+        )
+
+    @cached_property
+    def triggers_sql(self) -> str:
+        """How many of `triggers` the file has (2: `migrate` made them)."""
+        return (
+            f"SELECT count(*) FROM {self.master} WHERE type = 'trigger' AND name IN (:made, :moved)"
+        )
+
+    # The statements of a fresh call on the store's own connections bind their parameters by
+    # position (``?N``): sqlite3 looks a named one up by a string it makes afresh each time.
+    @cached_property
+    def first_sql(self) -> str:
+        """`select_sql`, on the parameters ``(principal, operation, key)``."""
+        return (
+            f"SELECT {COLUMNS} FROM {self.table}"
+            " WHERE principal = ?1 AND operation = ?2 AND idem_key = ?3"
+        )
+
+    @cached_property
+    def alone_insert_sql(self) -> str:
+        """A fresh key's reservation as one statement, in autocommit, on the parameters
+        of `alone_reserve_params`: the record is made with the reservation's time in
+        microseconds as its token, only if that is past the counter (every token handed
+        out); the counter follows by trigger. Otherwise (a record exists, or the clock is
+        not past the counter) it changes nothing, and the reservation takes its
+        transaction, whose token is ``max(counter + 1, now)``: the same token where both
+        apply."""
+        return (
+            f"INSERT INTO {self.table} ({self.insert_columns})"
+            " SELECT ?1, ?2, ?3, ?4, 'in_progress', ?5, ?5 + ?6, ?5, ?5, ?5 + ?7"
+            f" WHERE ?5 > (SELECT max(value) FROM {self.tokens}) ON CONFLICT DO NOTHING"
+        )
+
+    def alone_reserve_params(self, op: Reserve, now: int) -> tuple[Any, ...]:
+        """`alone_insert_sql`'s parameters, at ``now`` (a database time)."""
+        scope, lease = op.scope, self.span(op.lease)
+        return (scope.principal, scope.operation, scope.key, op.fingerprint, now, lease,
+                lease + self.span(op.ttl))  # fmt: skip
+
+    @cached_property
+    def alone_settle_sql(self) -> str:
+        """`settle_update` where it leaves ``expires_at`` as it is (the reservation's expiry
+        already covers ``now + ttl``, as it does while the lease is held), on the
+        parameters of `alone_settle_params`: a single UPDATE, so autocommit makes it
+        atomic. Nothing changed: the reservation's transaction settles it (or says it is
+        fenced)."""
+        return (
+            f"UPDATE {self.table} SET state = ?5, response = ?6, lease_expires_at = NULL,"
+            " updated_at = ?7 WHERE principal = ?1 AND operation = ?2 AND idem_key = ?3"
+            " AND token = ?4 AND state = 'in_progress' AND expires_at >= ?7 + ?8"
+        )
+
+    def alone_settle_params(self, op: Settle, now: int) -> tuple[Any, ...]:
+        """`alone_settle_sql`'s parameters, at ``now`` (a database time)."""
+        scope = op.scope
+        return (scope.principal, scope.operation, scope.key, op.token, op.status.value,
+                op.response, now, self.span(op.ttl))  # fmt: skip
+
+    def span(self, value: timedelta) -> int:
+        """`db_span`, remembered: a policy passes the same few durations on every call."""
+        spans = self._spans
+        found = spans.get(value)
+        if found is None:
+            found = value // _ONE_US
+            if len(spans) < _SPANS:
+                spans[value] = found
+        return found
 
     @cached_property
     def insert_sql(self) -> str:

@@ -421,13 +421,17 @@ def _ownership() -> TransactionOwnershipError:
     )
 
 
-def _caller() -> tuple[int, int]:
-    """Who is calling: the thread, and the asyncio task within it (0: none)."""
+def _caller() -> tuple[int, asyncio.Task[Any] | None]:
+    """Who is calling: the thread, and the asyncio task within it (None: none). The task
+    itself, not its id: a task that reserved and ended leaves its id free, and a renewal's
+    task made later at the same address would pass for the work (the example API's
+    renewals took the write lock in its transaction that way, and its payment provider's
+    own transaction then waited for it)."""
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no event loop in this thread
         task = None
-    return threading.get_ident(), 0 if task is None else id(task)
+    return threading.get_ident(), task
 
 
 class LeasedLogic:
@@ -458,7 +462,8 @@ class LeasedLogic:
         # One of the guard's own statements on the app's connection failed: a transaction
         # found ended since is that failure's doing (the connection broke), not the app's.
         self._broken = False
-        self._owner = (0, 0)  # who reserved: only its renewals may use the app's connection
+        # Who reserved: only its renewals may use the app's connection.
+        self._owner: tuple[int, asyncio.Task[Any] | None] = (0, None)
 
     def reserve(self, op: Reserve) -> TxGen[Reservation]:
         self._state, self._locked, self._broken = _State.IDLE, False, False
@@ -795,6 +800,10 @@ class AsyncUnit(_Verbs):
             if done is not NOT_NOW:
                 return done_at_once(done)
         return self._perform(gen)
+
+    def in_thread(self, op: StoreOp) -> Awaitable[Any]:
+        """`perform`, by ``run`` only (never at once)."""
+        return self._perform(getattr(self._logic, _STEPS[type(op)])(op))
 
     async def _perform(self, gen: TxGen[Any]) -> Any:
         try:
