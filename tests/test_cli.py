@@ -371,3 +371,41 @@ def test_corrupt_record_says_how_to_evict_it(redis_url: str, redis_prefix: str) 
         assert store.get(Scope.of(key, operation="charge", principal="bob")) is None
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["purge", "{url}", "--batch", "0"], "Invalid value for '--batch'"),
+        (["purge", "{url}", "--batch", "many"], "Invalid value for '--batch'"),
+        (["purge", "{url}", "--bogus"], "No such option: --bogus"),
+        (["purge"], "Missing argument"),
+        (["no-such-command"], "No such command"),
+    ],
+)
+def test_installed_script_says_a_usage_error_in_one_line(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    """SPEC §8: every CLI error is one clear line and a non-zero exit, a usage error too
+    (typer's own would be the usage and a box), and it creates nothing."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    result = _idempo(*(arg.format(url=url) for arg in args))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: "), result.stderr
+    assert said in result.stderr, result.stderr
+    assert "--help" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_installed_script_still_prints_help_and_version() -> None:
+    """What is not an error prints as typer prints it, with its exit status."""
+    helped = _idempo("purge", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "--batch-time" in helped.stdout
+    bare = _idempo()
+    assert bare.returncode == 2
+    assert "Usage" in bare.stdout + bare.stderr
+    version = _idempo("--version")
+    assert version.returncode == 0
+    assert version.stdout.startswith("idempo ")

@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -560,9 +561,42 @@ async def _relay(store: str, to: str, options: dict[str, str], *, once: bool, ba
         await publisher.aclose()
 
 
+# click's UsageError and ClickException, as the typer installed raises them: typer 0.2x
+# raises those of the click it carries inside, earlier versions plain click's. Both are
+# reached from typer's public BadParameter.
+_USAGE_ERROR: type[Exception] = next(
+    kind for kind in typer.BadParameter.__mro__ if kind.__name__ == "UsageError"
+)
+_CLICK_ERROR: type[Exception] = _USAGE_ERROR.__mro__[1]
+
+
 def main() -> None:
-    """Console entry point."""
-    app()
+    """Console entry point.
+
+    A usage error (an unknown option, a missing argument, a value of the wrong type or out
+    of range) is one line and exit 2, as every other error of the CLI (SPEC §8), instead of
+    the usage and a boxed message; the line names the command's ``--help``. Help, and a bare
+    ``idempo``, print as typer prints them.
+    """
+    try:
+        code = app(standalone_mode=False)
+    except _CLICK_ERROR as exc:
+        exit_code: int = getattr(exc, "exit_code", BAD_INPUT)
+        ctx = getattr(exc, "ctx", None)
+        # NoArgsIsHelpError: typer printed the help already (it imports no such name either).
+        if type(exc).__name__ != "NoArgsIsHelpError":
+            if isinstance(exc, _USAGE_ERROR) and ctx is not None:
+                help_hint = f" (see {ctx.command_path} --help)"
+            else:
+                help_hint = ""
+            _fail(f"{getattr(exc, 'format_message', exc.__str__)()}{help_hint}", exit_code)
+        sys.exit(exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
+    # What comes back is an Exit's code (typer.Exit, --help, --version): every command
+    # returns None.
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 # The operator commands (list, resolve, doctor) register on `app`; last, since they import it.
