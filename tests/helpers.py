@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import psycopg
@@ -20,6 +21,13 @@ import pymysql
 from idempo.stores.mysql import AsyncMySQLStore, MySQLStore, connect_options
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
 from idempo.stores.sqlite import AsyncSQLiteStore, SQLiteStore
+
+
+def migrated_sqlite(path: Path, **options: Any) -> SQLiteStore:
+    """A `SQLiteStore` on the file ``path``, migrated."""
+    store = SQLiteStore(str(path), **options)
+    store.migrate()
+    return store
 
 
 def new_key() -> str:

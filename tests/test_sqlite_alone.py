@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from helpers import migrated_sqlite
 from idempo import FencedError, Scope, Status
 from idempo._core.ops import Reserve
 from idempo._core.record import Acquired, InProgress, Replay
@@ -41,12 +42,6 @@ STEP = 30.0  # the most one step of a race waits, seconds
 
 def _us(when: datetime) -> int:
     return (when - datetime(1970, 1, 1, tzinfo=UTC)) // ONE_US
-
-
-def _store(path: Path, **options: Any) -> SQLiteStore:
-    store = SQLiteStore(str(path), **options)
-    store.migrate()
-    return store
 
 
 def _reserve(store: Any, scope: Scope, now: datetime | None = None, fp: str = "fp") -> Any:
@@ -112,7 +107,7 @@ def _fresh_call(store: SQLiteStore, scope: Scope, now: datetime | None = None) -
 def test_a_fresh_call_is_three_statements(tmp_path: Path, executed: list[str]) -> None:
     """The record's read, the INSERT and the settling UPDATE: no BEGIN, no COMMIT, no
     counter statement (the trigger moves it inside the INSERT)."""
-    store = _store(tmp_path / "idempo.db")
+    store = migrated_sqlite(tmp_path / "idempo.db")
     try:
         _fresh_call(store, Scope.of("k-warm", operation="pay"))  # opens, asks for triggers
         for n in range(5):
@@ -160,7 +155,7 @@ def test_one_write_in_64_goes_to_a_connection_that_checkpoints(tmp_path: Path) -
     """The connections that never wait never checkpoint the write-ahead log, so the single
     statements leave the checkpointing turn to the transaction on the thread's own
     connection, as `run_now` does."""
-    store = _store(tmp_path / "idempo.db")
+    store = migrated_sqlite(tmp_path / "idempo.db")
     ran: list[Any] = []
     run = store._run
 
@@ -181,7 +176,7 @@ def test_one_write_in_64_goes_to_a_connection_that_checkpoints(tmp_path: Path) -
 
 
 def test_the_token_is_the_time_and_the_counter_follows(tmp_path: Path) -> None:
-    store = _store(tmp_path / "idempo.db")
+    store = migrated_sqlite(tmp_path / "idempo.db")
     try:
         token = _fresh_call(store, Scope.of("k-1", operation="pay"), T0)
         assert token == _us(T0)
@@ -194,7 +189,7 @@ def test_tokens_grow_across_evict_when_the_clock_does_not(tmp_path: Path) -> Non
     """After the record is gone, a reservation at the same instant (or one earlier, a
     clock set back) cannot take the time as its token: it takes the counter's next."""
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     scope = Scope.of("k-1", operation="pay")
     try:
         tokens = [_fresh_call(store, scope, T0)]
@@ -210,7 +205,7 @@ def test_tokens_grow_across_evict_when_the_clock_does_not(tmp_path: Path) -> Non
 
 def test_tokens_grow_across_purge_with_the_single_statement(tmp_path: Path) -> None:
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     scope = Scope.of("k-1", operation="pay")
     try:
         first = _fresh_call(store, scope, T0)
@@ -229,7 +224,7 @@ def test_a_takeover_moves_the_counter_too(tmp_path: Path) -> None:
     """The UPDATE OF token trigger: a takeover's token is counted, so a fresh key reserved
     afterwards at an earlier instant still gets a larger token."""
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     try:
         scope = Scope.of("k-1", operation="pay")
         first = _reserve(store, scope, T0)
@@ -248,7 +243,7 @@ def test_a_takeover_moves_the_counter_too(tmp_path: Path) -> None:
 def test_a_hand_edited_token_does_not_stop_the_counter(tmp_path: Path) -> None:
     """The triggers follow integers only: SQLite orders text after every number."""
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     try:
         token = _fresh_call(store, Scope.of("k-1", operation="pay"), T0)
         with sqlite3.connect(path, isolation_level=None) as conn:
@@ -266,7 +261,7 @@ def test_a_hand_edited_token_does_not_stop_the_counter(tmp_path: Path) -> None:
 def test_a_settle_that_must_move_the_expiry_takes_the_transaction(tmp_path: Path) -> None:
     """A completion whose retention ends past the reservation's (a longer ttl, or a
     lease renewed... past it) moves ``expires_at``; within it, ``expires_at`` stays."""
-    store = _store(tmp_path / "idempo.db")
+    store = migrated_sqlite(tmp_path / "idempo.db")
     try:
         kept, moved = Scope.of("k-kept", operation="pay"), Scope.of("k-moved", operation="pay")
         for scope, ttl in ((kept, TTL), (moved, TTL * 3)):
@@ -286,7 +281,7 @@ def test_a_settle_that_must_move_the_expiry_takes_the_transaction(tmp_path: Path
 def test_a_stale_holder_is_fenced(tmp_path: Path) -> None:
     """A holder past its lease, taken over: its complete and fail raise FencedError, its
     release does nothing; the new holder's record is untouched."""
-    store = _store(tmp_path / "idempo.db")
+    store = migrated_sqlite(tmp_path / "idempo.db")
     scope = Scope.of("k-1", operation="pay")
     try:
         stale = _reserve(store, scope, T0)
@@ -315,7 +310,7 @@ def test_a_stale_holder_is_fenced(tmp_path: Path) -> None:
 def test_a_settle_retried_with_the_same_outcome_is_accepted(tmp_path: Path) -> None:
     """A settle whose answer was lost, sent again: the single UPDATE changes nothing, and
     the transaction finds the record already holds that outcome."""
-    store = _store(tmp_path / "idempo.db")
+    store = migrated_sqlite(tmp_path / "idempo.db")
     scope = Scope.of("k-1", operation="pay")
     try:
         token = _fresh_call(store, scope, T0)
@@ -336,7 +331,7 @@ def test_an_old_file_keeps_the_transaction_and_the_doctor_says_so(
     file once, reserves in its write transaction (which moves the counter itself), and the
     doctor warns until `idempo migrate` runs again; then the single statement is used."""
     path = tmp_path / "idempo.db"
-    _store(path).close()
+    migrated_sqlite(path).close()
     _drop_triggers(path)
     report = diagnose(f"sqlite:///{path}")
     found = {finding.check: finding for finding in report.findings}
@@ -374,12 +369,12 @@ def test_an_old_file_keeps_the_transaction_and_the_doctor_says_so(
 
 def test_migrate_adds_the_triggers_and_keeps_the_counter(tmp_path: Path) -> None:
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     token = _fresh_call(store, Scope.of("k-1", operation="pay"), T0)
     store.close()
     _drop_triggers(path)
     for _ in range(2):
-        _store(path).close()
+        migrated_sqlite(path).close()
     with sqlite3.connect(path) as conn:
         names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
     conn.close()
@@ -391,7 +386,7 @@ def test_migrate_leaves_one_counter_row_the_largest(tmp_path: Path) -> None:
     """Migrating again adds no row (it did: an aggregate over no rows is still a row), and
     a file that got extra rows that way keeps only the largest."""
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     token = _fresh_call(store, Scope.of("k-1", operation="pay"), T0)
     store.migrate()
     store.close()
@@ -400,7 +395,7 @@ def test_migrate_leaves_one_counter_row_the_largest(tmp_path: Path) -> None:
         conn.execute("INSERT INTO idempo_records_tokens (value) VALUES (5)")
         conn.execute("DELETE FROM idempo_records")
     conn.close()
-    _store(path).close()
+    migrated_sqlite(path).close()
     assert _counter(path) == token
 
 
@@ -468,7 +463,7 @@ def _workers(
 
 def _race(tmp_path: Path, *, processes: bool, asynchronous: bool = False) -> list[list[str]]:
     path = tmp_path / "idempo.db"
-    _store(path).close()
+    migrated_sqlite(path).close()
     keys = [f"k-{n}" for n in range(ROUNDS)]
     answered = _workers(processes, _duplicate, [(str(path), keys)] * DUPLICATES, asynchronous)
     store = SQLiteStore(str(path))
@@ -523,7 +518,7 @@ def test_the_single_statement_makes_one_record_among_duplicates(
     """SPEC §2 rule 1 for the statement alone: of duplicates that all run it, exactly one
     makes the record; the rest change nothing (and would go on to the transaction)."""
     path = tmp_path / "idempo.db"
-    _store(path).close()
+    migrated_sqlite(path).close()
     keys = [f"k-{n}" for n in range(ROUNDS)]
     made = _workers(processes, _statement, [(str(path), keys)] * DUPLICATES, None, indexed=True)
     for n in range(ROUNDS):
@@ -547,7 +542,7 @@ def test_a_killed_holder_is_taken_over_after_its_lease(tmp_path: Path) -> None:
     ends; then a duplicate takes it over with a larger token, and the dead holder's token
     is fenced."""
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     context: Any = multiprocessing.get_context("spawn")
     said = context.Queue()
     holder = context.Process(target=_holder, args=(str(path), said))
@@ -586,7 +581,7 @@ def test_a_held_write_lock_sends_the_call_to_the_transaction(tmp_path: Path) -> 
     timeout is zero): with the lock held, the reservation waits in its transaction and
     lands once the lock is gone, with the lease counted from then."""
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
     result: list[Any] = []

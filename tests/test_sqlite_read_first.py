@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from helpers import migrated_sqlite
 from idempo import Scope
 from idempo._core.record import Acquired, InProgress, Mismatch, Replay
 from idempo.errors import StoreUnavailableError
@@ -28,12 +29,6 @@ ONE_US = timedelta(microseconds=1)
 DUPLICATES = 4
 ROUNDS = 30
 STEP = 30.0  # the most one step of a race waits, seconds
-
-
-def _store(path: Path, **options: Any) -> SQLiteStore:
-    store = SQLiteStore(str(path), **options)
-    store.migrate()
-    return store
 
 
 def _reserve(store: SQLiteStore, scope: Scope, fp: str = "fp", now: datetime | None = None) -> Any:
@@ -57,7 +52,7 @@ def _write_locked(path: Path) -> sqlite3.Connection:
 def test_a_settled_record_is_answered_past_a_held_write_lock(tmp_path: Path) -> None:
     """The replay and the mismatch are answered while another connection holds the write
     lock; a reservation that must write (a fresh key, a record in progress) waits for it."""
-    store = _store(tmp_path / "idempo.db", busy_timeout=timedelta(milliseconds=50))
+    store = migrated_sqlite(tmp_path / "idempo.db", busy_timeout=timedelta(milliseconds=50))
     settled, running = Scope.of("k-settled", operation="pay"), Scope.of("k-run", operation="pay")
     try:
         _settled(store, settled)
@@ -102,7 +97,7 @@ def test_the_expiry_boundaries_are_judged_on_the_reservations_clock(tmp_path: Pa
     """A settled record replays (or refuses another fingerprint) until the microsecond its
     retention ends; from then on it is taken over. A lease in progress is waited for until
     the microsecond it ends, then taken over by the same request only."""
-    store = _store(tmp_path / "idempo.db")
+    store = migrated_sqlite(tmp_path / "idempo.db")
     try:
         done = Scope.of("k-done", operation="pay")
         first = _settled(store, done, now=T0)
@@ -131,7 +126,7 @@ def test_a_record_that_cannot_be_read_is_left_to_the_reservation(tmp_path: Path)
     """A corrupt record is no answer for the read: the reservation decides, and takes it
     over once its retention is over (as it did before the read came first)."""
     path = tmp_path / "idempo.db"
-    store = _store(path)
+    store = migrated_sqlite(path)
     scope = Scope.of("k-1", operation="pay")
     try:
         _settled(store, scope, now=T0)
@@ -179,7 +174,7 @@ def _race(tmp_path: Path, *, processes: bool, release: bool) -> list[list[list[s
     """A first attempt holds each key in turn while duplicates reserve it, then completes
     (or releases) it as they go on. Every duplicate's answers, key by key."""
     path = str(tmp_path / "idempo.db")
-    first = _store(tmp_path / "idempo.db")
+    first = migrated_sqlite(tmp_path / "idempo.db")
     keys = [f"k-{n}" for n in range(ROUNDS)]
     if processes:
         context: Any = multiprocessing.get_context("spawn")

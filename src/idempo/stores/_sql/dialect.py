@@ -39,7 +39,7 @@ class Statement(NamedTuple):
 SqlGen = Generator[Statement, Rows | None, T]
 
 # A timedelta made once: making one (keyword arguments) costs more than the division by it.
-_ONE_US = timedelta(microseconds=1)
+ONE_US = timedelta(microseconds=1)
 # Earlier than any record's expiry: where a sweep of purge batches starts.
 _OLDEST = datetime(1, 1, 2, tzinfo=UTC)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
@@ -142,7 +142,7 @@ class SqlDialect:
 
     def db_span(self, value: timedelta) -> Any:
         """A duration as the statements' ``plus`` takes it: microseconds, by default."""
-        return value // _ONE_US
+        return value // ONE_US
 
     def py_time(self, value: Any) -> datetime:
         result: datetime = value

@@ -10,10 +10,9 @@ from typing import Any
 from ..._core.ops import Renew, Reserve, Settle
 from ..._core.record import Acquired, InProgress, Mismatch, Replay, Reservation, judge
 from ...errors import CorruptRecordError
-from .dialect import COLUMNS, Rows, SqlDialect, SqlGen, Statement, derived_name
+from .dialect import COLUMNS, ONE_US, Rows, SqlDialect, SqlGen, Statement, derived_name
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_ONE_US = timedelta(microseconds=1)
 _SPANS = 64  # durations remembered by `SQLiteDialect.span`, at most
 _EVENTS = ("INSERT", "UPDATE OF token")
 
@@ -43,7 +42,7 @@ class SQLiteDialect(SqlDialect):
         self.triggers_params["moved"] = self.triggers[1].rpartition(".")[2]
 
     def db_time(self, value: datetime) -> Any:
-        return (value - _EPOCH) // _ONE_US
+        return (value - _EPOCH) // ONE_US
 
     def py_time(self, value: Any) -> datetime:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -159,7 +158,7 @@ class SQLiteDialect(SqlDialect):
         spans = self._spans
         found = spans.get(value)
         if found is None:
-            found = value // _ONE_US
+            found = value // ONE_US
             if len(spans) < _SPANS:
                 spans[value] = found
         return found
