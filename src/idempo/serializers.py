@@ -11,6 +11,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from ._core.jsondecode import loads as _json_loads
 from .errors import ConfigurationError
 
 __all__ = ["JsonSerializer", "Serializer", "TypedSerializer", "return_serializer"]
@@ -40,7 +41,7 @@ class JsonSerializer:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
     def loads(self, data: bytes) -> Any:
-        return json.loads(data)
+        return _json_loads(data)
 
 
 class TypedSerializer:

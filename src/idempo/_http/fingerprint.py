@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._core.fingerprint import canonical_bytes, plain_canonical_text
+from .._core.jsondecode import loads as json_loads
 from ..errors import InvalidPayloadError
 from .keys import Header, header_values
 
@@ -133,25 +134,6 @@ _plain_scan: Callable[[str, int], tuple[Any, int]] = _PLAIN_DECODER.scan_once  #
 _big_integer = re.compile(rb"[0-9]{16}").search
 # Keys beyond the Basic Multilingual Plane sort otherwise in UTF-16, as RFC 8785 sorts them.
 _astral = re.compile("[\U00010000-\U0010ffff]").search
-
-_DECODER = json.JSONDecoder()
-
-
-def json_loads(data: bytes) -> Any:
-    """``json.loads(data)``, with less work for the usual document: UTF-8 (json.loads's
-    encoding detection picks it for any document that starts with ``{`` or ``[`` followed by
-    a non-NUL byte) and nothing after it. Anything else takes json.loads itself."""
-    first = data[:1]
-    if first in (b"{", b"[") and data[1:2] != b"\x00":
-        try:
-            text = data.decode("utf-8", "surrogatepass")
-            value, end = _DECODER.raw_decode(text)
-        except ValueError:
-            pass  # json.loads raises its own error below
-        else:
-            if end == len(text):
-                return value
-    return json.loads(data)
 
 
 def canonical_request(

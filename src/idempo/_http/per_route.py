@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
-from .fingerprint import json_loads
+from .._core.jsondecode import loads as json_loads
 from .keys import header_values, parse_key
 
 __all__ = [

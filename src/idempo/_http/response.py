@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from itertools import chain
 
 from .. import _wire
+from .._core.jsondecode import loads as json_loads
 from ..errors import CorruptRecordError
-from .fingerprint import _ascii_string, json_loads
+from .fingerprint import _ascii_string
 from .keys import Header
 
 REPLAYED_HEADER = _wire.REPLAYED_HEADER.lower().encode()
