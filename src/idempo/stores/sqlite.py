@@ -466,7 +466,12 @@ class SQLiteStore(SqlStore):
 
     def migrate(self) -> None:
         super().migrate()
-        self._triggers = None  # asked again: `migrate` may just have made them
+        self.schema_changed()
+
+    def schema_changed(self) -> None:
+        """Forget what was learnt of the file's schema (`_has_triggers`): `migrate` may just
+        have made the triggers, here or through the async store that wraps this one."""
+        self._triggers = None
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
@@ -611,7 +616,7 @@ class AsyncSQLiteStore(AsyncSqlStore):
 
     async def migrate(self) -> None:
         await super().migrate()
-        self._sync._triggers = None  # asked again: `migrate` may just have made them
+        self._sync.schema_changed()
 
     async def run(self, gen: TxGen[T]) -> T:
         # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn

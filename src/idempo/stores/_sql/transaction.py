@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -421,17 +422,19 @@ def _ownership() -> TransactionOwnershipError:
     )
 
 
-def _caller() -> tuple[int, asyncio.Task[Any] | None]:
+def _caller() -> tuple[int, weakref.ref[asyncio.Task[Any]] | None]:
     """Who is calling: the thread, and the asyncio task within it (None: none). The task
     itself, not its id: a task that reserved and ended leaves its id free, and a renewal's
     task made later at the same address would pass for the work (the example API's
     renewals took the write lock in its transaction that way, and its payment provider's
-    own transaction then waited for it)."""
+    own transaction then waited for it). A weak reference, so that a unit does not keep an
+    ended task (and its result) alive: weak references to one live task are equal, and one
+    whose task died equals no other (Python compares dead references by identity)."""
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no event loop in this thread
         task = None
-    return threading.get_ident(), task
+    return threading.get_ident(), None if task is None else weakref.ref(task)
 
 
 class LeasedLogic:
@@ -463,7 +466,7 @@ class LeasedLogic:
         # found ended since is that failure's doing (the connection broke), not the app's.
         self._broken = False
         # Who reserved: only its renewals may use the app's connection.
-        self._owner: tuple[int, asyncio.Task[Any] | None] = (0, None)
+        self._owner: tuple[int, weakref.ref[asyncio.Task[Any]] | None] = (0, None)
 
     def reserve(self, op: Reserve) -> TxGen[Reservation]:
         self._state, self._locked, self._broken = _State.IDLE, False, False
