@@ -40,6 +40,7 @@ def test_every_script_ships_as_a_package_data_file() -> None:
     assert names == [
         "common.lua",
         "evict.lua",
+        "mark.lua",
         "purge.lua",
         "record.lua",
         "release.lua",

@@ -3,10 +3,12 @@
 -- retention (µs). Settling again with the same token, state and response succeeds without a
 -- change: redis-py re-sending a settle whose reply was lost, or the caller retrying it.
 --
--- The hottest script, written for the server's instructions: every string Lua makes costs
--- about as much as a redis.call's share, so the header is read as numbers (string.byte,
--- one struct.unpack), and the new value is one concatenation. An in-progress record holds no
--- response, so everything after its header's times is kept as it is.
+-- The hottest script, written for the server's time: each redis.call costs a few µs (more
+-- than the command itself), so a fresh reservation's settle runs three (GET, PEXPIRETIME,
+-- SET), and every string Lua makes costs about as much as a redis.call's share, so the
+-- header is read as numbers (string.byte, one struct.unpack) and the new value is one
+-- concatenation. An in-progress record holds no response, so everything after its header's
+-- times is kept as it is.
 local key = KEYS[1]
 local v = redis.pcall('GET', key)
 if type(v) ~= 'string' or #v < 59 then return 0 end
@@ -20,7 +22,11 @@ if st ~= 105 then -- 'i'
   if st == string.byte(ARGV[2]) and string.sub(v, body + 1) == ARGV[3] then return 1 end
   return 0
 end
-if clk == 100 then -- 'd': the times derive from the key's expiry
+-- 'd' (a fresh reservation): its times derive from the key's expiry. Nobody waits for it: a
+-- duplicate that waits (`wait_settled`, lua/mark.lua) first makes it a record on Redis's
+-- clock ('r'), and the settle of any record but a 'd' one publishes.
+local derived = clk == 100
+if derived then
   local x = redis.call('PEXPIRETIME', key)
   if x < 0 then return 0 end
   x = x * 1000
@@ -46,5 +52,5 @@ else
   redis.call('SET', key, value, 'KEEPTTL')
 end
 -- A duplicate waiting for this record (`wait_settled`) listens on its key's name.
-redis.call('PUBLISH', key, '')
+if not derived then redis.call('PUBLISH', key, '') end
 return ea
