@@ -208,6 +208,33 @@ def test_settles_and_renewals_are_one_fenced_script_call(flow: Any) -> None:
         steps(flow(), 0)
 
 
+def test_a_settle_on_redis_clock_carries_an_estimate_that_never_runs_ahead() -> None:
+    """On Redis's clock a settle sends this process's estimate of that clock, with the TIME
+    reading placed at the end of its round trip (so no later than Redis's), or '' when the
+    estimate is stale (the script reads TIME); on a given clock, that clock and no estimate."""
+    keys = Keys("test", timedelta(minutes=1))
+    assert keys.settle_args(7, Status.COMPLETED, b"{}", None, TTL)[3:] == [
+        "",
+        3_600_000_000,
+        60_000,
+        "",
+    ]
+    sent = keys.clock.ticks()
+    keys.clock.anchor(TIME, sent, sent + 4_000_000)  # a 4 ms round trip
+    early = keys.clock.estimate(early=True)
+    args = keys.settle_args(7, Status.COMPLETED, b"{}", None, TTL)
+    middle = keys.clock.estimate()
+    assert early is not None
+    assert middle is not None
+    assert args[3] == ""
+    assert isinstance(args[6], int)
+    assert early <= args[6] <= middle - 2_000  # µs: half the round trip before the middle
+    assert keys.settle_args(7, Status.FAILED, b"{}", NOW, TTL)[3::3] == [
+        str(_protocol.us(NOW)),
+        "",
+    ]
+
+
 def test_release_is_one_script_call_by_token() -> None:
     calls, _ = steps(_ops.release(KEYS, SCOPE, 7), 1)
     assert [(c.script, c.args) for c in calls] == [("release", ["t", (7).to_bytes(8, "big")])]
