@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 LEASE = timedelta(seconds=30)
 TTL = timedelta(hours=1)
 SHORT = timedelta(seconds=1)
-US, MS = timedelta(microseconds=1), timedelta(milliseconds=1)
+MS = timedelta(milliseconds=1)
 
 
 class Face:
@@ -296,11 +296,13 @@ async def test_a_fresh_reservation_settled_on_redis_clock_keeps_its_times(
     held = await face.get(s)
     assert held is not None
     clock = face.store._keys.clock
-    if estimate == "stale":
-        clock._anchor = None
-    elif estimate == "behind":  # Redis's clock read 10 s too early, as a step back would
-        server_us = (await face.server_now(s) - datetime(1970, 1, 1, tzinfo=UTC)) // US
-        clock._anchor = (server_us - 10_000_000, clock.ticks(), 0)
+    if estimate == "stale":  # read longer ago than it is trusted for
+        at = clock.ticks() - 2 * clock.FRESH_FOR
+        clock.anchor([b"0", b"0"], at, at)
+    elif estimate == "behind":  # a reading of Redis's clock 10 s behind, as a step back gives
+        behind = await face.server_now(s) - timedelta(seconds=10)
+        at = clock.ticks()
+        clock.anchor([str(int(behind.timestamp())).encode(), str(behind.microsecond)], at, at)
 
     await face.complete(s, token, b"ok", now=None, ttl=TTL)
 

@@ -221,14 +221,16 @@ def test_a_settle_on_redis_clock_carries_an_estimate_that_never_runs_ahead() -> 
     ]
     sent = keys.clock.ticks()
     keys.clock.anchor(TIME, sent, sent + 4_000_000)  # a 4 ms round trip
-    early = keys.clock.estimate(early=True)
+    before = keys.clock.early()
     args = keys.settle_args(7, Status.COMPLETED, b"{}", None, TTL)
-    middle = keys.clock.estimate()
-    assert early is not None
-    assert middle is not None
+    after = keys.clock.early()
+    assert before is not None
+    assert after is not None
     assert args[3] == ""
     assert isinstance(args[6], int)
-    assert early <= args[6] <= middle - 2_000  # µs: half the round trip before the middle
+    assert before <= args[6] <= after
+    # The reading placed at the end of the round trip: 2 ms behind its middle, which tokens use.
+    assert keys.clock._offset - keys.clock._early == 2_000_000  # ns
     assert keys.settle_args(7, Status.FAILED, b"{}", NOW, TTL)[3::3] == [
         str(_protocol.us(NOW)),
         "",

@@ -12,8 +12,8 @@ guard's own wake-ups (counted reservations) are in tests/test_wake.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +26,10 @@ import pytest
 from idempo import FencedError, Scope, Status
 from idempo._core.record import Acquired, Replay
 from idempo.stores.redis import AsyncRedisStore, RedisStore, _ops
+from test_wake import DEADLINE, meet
 
 pytestmark = pytest.mark.redis
 
-DEADLINE = 20.0  # seconds any wait for another thread may take before the test fails
 LEASE = timedelta(seconds=30)
 TTL = timedelta(hours=1)
 PREVIOUS = Path(__file__).parent / "redis_previous_settle"
@@ -127,32 +127,15 @@ def test_the_mark_changes_nothing_a_reader_sees(store: RedisStore) -> None:
 
 
 def race(store: RedisStore, waiter: RedisStore, rounds: int) -> None:
-    """``rounds`` times: a fresh reservation, then its settle on one thread and a waiter on
-    another, each starting after a random moment of up to 2 ms, so they meet in every
-    order; the waiter must return (a lost wake-up runs into its wait of twice the test's
-    deadline, and the test fails at the deadline), and the record is settled."""
+    """``rounds`` times: a fresh reservation, then its settle and a waiter on two threads
+    meeting in a random order (`test_wake.meet`); the waiter always returns, and the record
+    is settled."""
     rng = random.Random(15)
     with ThreadPoolExecutor(2) as pool:
         for n in range(rounds):
             scope, token = held(store, f"race-{n}")
-            go = threading.Barrier(2)
-            pauses = rng.random() * 0.002, rng.random() * 0.002
-
-            def settle(
-                scope: Scope = scope, token: int = token, go: Any = go, pause: float = pauses[0]
-            ) -> None:
-                go.wait(DEADLINE)
-                time.sleep(pause)
-                store.complete(scope, token, b"done", now=None, ttl=TTL)
-
-            def wait(scope: Scope = scope, go: Any = go, pause: float = pauses[1]) -> None:
-                go.wait(DEADLINE)
-                time.sleep(pause)
-                waiter.wait_settled(scope, seconds=2 * DEADLINE)
-
-            settled, waited = pool.submit(settle), pool.submit(wait)
-            settled.result(DEADLINE)
-            waited.result(DEADLINE)  # a missed publication: the wait runs into this
+            settle = functools.partial(store.complete, scope, token, b"done", now=None, ttl=TTL)
+            meet(pool, rng, settle, functools.partial(waiter.wait_settled, scope, 2 * DEADLINE))
             record = store.get(scope)
             assert record is not None
             assert record.status is Status.COMPLETED

@@ -163,8 +163,11 @@ class TokenClock:
     _last = 0  # the process's last token, shared by every store
 
     def __init__(self) -> None:
-        # (Redis's µs, boot clock ns at the middle of the round trip, half of it in µs)
-        self._anchor: tuple[int, int, int] | None = None
+        # Kept as what each call adds to the boot clock (ns), so a call is a clock read, a
+        # compare, an add and a division: one per fresh call (a token), one per settle.
+        self._until = -1  # the boot clock's ns past which the estimate is stale
+        self._offset = 0  # Redis's clock minus the boot clock, at the round trip's middle
+        self._early = 0  # the same at its end
 
     @staticmethod
     def ticks() -> int:
@@ -172,7 +175,7 @@ class TokenClock:
         return time.clock_gettime_ns(_BOOT_CLOCK)
 
     def stale(self) -> bool:
-        return self._anchor is None or self.ticks() - self._anchor[1] > self.FRESH_FOR
+        return self.ticks() > self._until
 
     def anchor(self, reply: Any, sent: int, received: int) -> None:
         """Learn Redis's clock from a ``TIME`` reply sent at ``sent`` and answered at
@@ -180,26 +183,26 @@ class TokenClock:
         if isinstance(reply, dict):
             reply = next(iter(reply.values()))
         seconds, us = reply
-        half = (received - sent) // 2
-        self._anchor = (int(seconds) * 1_000_000 + int(us), sent + half, half // 1000)
+        server_ns = (int(seconds) * 1_000_000 + int(us)) * 1000
+        middle = (sent + received) // 2
+        self._offset = server_ns - middle
+        self._early = server_ns - received
+        self._until = middle + self.FRESH_FOR
 
-    def estimate(self, *, early: bool = False) -> int | None:
-        """Redis's clock now (µs), or None when the estimate is `stale`. ``early``: no
-        later than Redis's clock (the reading placed at the end of its round trip)."""
-        anchor = self._anchor
-        if anchor is None:
+    def early(self) -> int | None:
+        """Redis's clock now (µs) with the reading placed at the end of its round trip: no
+        later than Redis's; None when the estimate is `stale`."""
+        now = time.clock_gettime_ns(_BOOT_CLOCK)  # `ticks`, inlined: once per settle
+        if now > self._until:
             return None
-        server_us, at, half = anchor
-        since = time.clock_gettime_ns(_BOOT_CLOCK) - at  # `ticks`, inlined: once per call
-        if since > self.FRESH_FOR:
-            return None
-        return server_us + since // 1000 - (half if early else 0)
+        return (now + self._early) // 1000
 
     def token(self) -> int | None:
         """The next token, or None when the estimate is `stale` (read ``TIME`` first)."""
-        estimate = self.estimate()
-        if estimate is None:
+        now = time.clock_gettime_ns(_BOOT_CLOCK)  # `ticks`, inlined: once per fresh call
+        if now > self._until:
             return None
+        estimate = (now + self._offset) // 1000
         with TokenClock._lock:
             token = max(estimate, TokenClock._last + 1)
             TokenClock._last = token
@@ -308,7 +311,7 @@ class Keys:
         process estimates it, no later than Redis's (`TokenClock`): '' when the estimate is
         stale, for the script to read ``TIME``."""
         if now is None:
-            early = self.clock.estimate(early=True)
+            early = self.clock.early()
             at, stamp = "", "" if early is None else early
         else:
             at, stamp = micros(now), ""
