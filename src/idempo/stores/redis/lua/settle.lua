@@ -1,15 +1,17 @@
 -- KEYS[1] record. ARGV: token, state ('c' or 'f'), response, now ('' for Redis's clock), ttl
 -- (µs), grace (ms), and on Redis's clock the caller's estimate of it (µs, never ahead of it:
--- _protocol.TokenClock; '' to read TIME). Answers 0 when the token no longer holds the record, else the end of its
--- retention (µs). Settling again with the same token, state and response succeeds without a
--- change: redis-py re-sending a settle whose reply was lost, or the caller retrying it.
+-- _protocol.TokenClock; '' to read TIME). Answers 0 when the token no longer holds the
+-- record, else the end of its retention (µs). Settling again with the same token, state and
+-- response succeeds without a change: redis-py re-sending a settle whose reply was lost, or
+-- the caller retrying it.
 --
 -- The hottest script, written for the server's time: each redis.call costs a few µs (more
 -- than the command itself), so a fresh reservation's settle runs three (GET, PEXPIRETIME,
--- SET: its time is the caller's estimate, not TIME), and every string Lua makes costs about as much as a redis.call's share, so the
--- header is read as numbers (string.byte, one struct.unpack) and the new value is one
--- concatenation. An in-progress record holds no response, so everything after its header's
--- times is kept as it is.
+-- SET: its time is the caller's estimate, not TIME, and it publishes only when marked), and
+-- every string Lua makes costs about as much as a redis.call's share, so the header is read
+-- as numbers (string.byte, one struct.unpack) and the new value is one concatenation. An
+-- in-progress record holds no response, so everything after its header's times is kept as
+-- it is.
 local key = KEYS[1]
 local v = redis.pcall('GET', key)
 if type(v) ~= 'string' or #v < 59 then return 0 end
