@@ -431,7 +431,7 @@ def sent_commands() -> Iterator[Counter[str]]:
     import redis.asyncio.connection
 
     counts: Counter[str] = Counter()
-    patched: list[tuple[type, str, Any]] = []
+    patched: list[tuple[Any, str, Any]] = []
 
     def name(args: Any) -> str:
         first = args[0]
@@ -459,6 +459,23 @@ def sent_commands() -> Iterator[Counter[str]]:
         patched += [(cls, single, one), (cls, "pack_commands", many)]
         setattr(cls, single, send_one)
         cls.pack_commands = pack_commands  # type: ignore[method-assign]
+    # The store's lane packs its hot commands itself and hands the bytes to the connection
+    # (idempo.stores.redis._lane): counted from the packed bytes' first argument.
+    from idempo.stores.redis import _lane
+
+    def lane_name(packed: bytes) -> str:
+        return packed.split(b"\r\n", 3)[2].decode().lower()
+
+    def lane_send(conn: Any, packed: bytes, _send: Any = _lane._send) -> Any:
+        counts[lane_name(packed)] += 1
+        return _send(conn, packed)
+
+    async def lane_asend(conn: Any, packed: bytes, _asend: Any = _lane._asend) -> Any:
+        counts[lane_name(packed)] += 1
+        return await _asend(conn, packed)
+
+    patched += [(_lane, "_send", _lane._send), (_lane, "_asend", _lane._asend)]
+    _lane._send, _lane._asend = lane_send, lane_asend  # type: ignore[assignment]
     try:
         yield counts
     finally:

@@ -40,6 +40,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 LEASE = timedelta(seconds=30)
 TTL = timedelta(hours=1)
 SHORT = timedelta(seconds=1)
+MS = timedelta(milliseconds=1)
 
 
 class Face:
@@ -278,6 +279,46 @@ async def test_settle_renew_and_purge_on_redis_clock(face: Face) -> None:
     assert await face.purge(before=None) == 1
     assert await face.get(old) is None
     assert await face.get(s) == done
+
+
+@pytest.mark.parametrize("estimate", ["fresh", "stale", "behind"])
+@pytest.mark.parametrize("retention", ["kept", "grows"])
+async def test_a_fresh_reservation_settled_on_redis_clock_keeps_its_times(
+    face: Face, estimate: str, retention: str
+) -> None:
+    """A fresh reservation's settle (its time the caller's estimate of Redis's clock, or
+    Redis's TIME when that estimate is stale) keeps the created time, stamps an updated time
+    between the record's last change and Redis's clock after the settle (an estimate far
+    behind is clamped to the last change), and ends the retention where the key expires: as
+    reserved, or ``ttl`` after the settle when that is later."""
+    s = scope()
+    token = await acquire(face, s, ttl=TTL if retention == "kept" else SHORT)
+    held = await face.get(s)
+    assert held is not None
+    clock = face.store._keys.clock
+    if estimate == "stale":  # read longer ago than it is trusted for
+        at = clock.ticks() - 2 * clock.FRESH_FOR
+        clock.anchor([b"0", b"0"], at, at)
+    elif estimate == "behind":  # a reading of Redis's clock 10 s behind, as a step back gives
+        behind = await face.server_now(s) - timedelta(seconds=10)
+        at = clock.ticks()
+        clock.anchor([str(int(behind.timestamp())).encode(), str(behind.microsecond)], at, at)
+
+    await face.complete(s, token, b"ok", now=None, ttl=TTL)
+
+    after = await face.server_now(s)
+    done = await face.get(s)
+    assert done is not None
+    assert done.created_at == held.created_at
+    assert held.updated_at <= done.updated_at <= after
+    if estimate == "behind":
+        assert done.updated_at == held.updated_at
+    assert done.expires_at == max(held.expires_at, done.updated_at + TTL)
+    expiry_ms = await face.raw("pexpiretime", face.key(s))
+    assert expiry_ms == (done.expires_at - datetime(1970, 1, 1, tzinfo=UTC)) // MS
+    replay = await face.reserve(s, "fp", now=None, lease=LEASE, ttl=TTL)
+    assert isinstance(replay, Replay)
+    assert replay.record == done
 
 
 # -- undecodable records -------------------------------------------------------------------

@@ -40,6 +40,7 @@ def test_every_script_ships_as_a_package_data_file() -> None:
     assert names == [
         "common.lua",
         "evict.lua",
+        "mark.lua",
         "purge.lua",
         "record.lua",
         "release.lua",
@@ -205,6 +206,35 @@ def test_settles_and_renewals_are_one_fenced_script_call(flow: Any) -> None:
     assert _ops.undo(run) is None  # fenced and repeatable: nothing to undo
     with pytest.raises(FencedError):
         steps(flow(), 0)
+
+
+def test_a_settle_on_redis_clock_carries_an_estimate_that_never_runs_ahead() -> None:
+    """On Redis's clock a settle sends this process's estimate of that clock, with the TIME
+    reading placed at the end of its round trip (so no later than Redis's), or '' when the
+    estimate is stale (the script reads TIME); on a given clock, that clock and no estimate."""
+    keys = Keys("test", timedelta(minutes=1))
+    assert keys.settle_args(7, Status.COMPLETED, b"{}", None, TTL)[3:] == [
+        "",
+        3_600_000_000,
+        60_000,
+        "",
+    ]
+    sent = keys.clock.ticks()
+    keys.clock.anchor(TIME, sent, sent + 4_000_000)  # a 4 ms round trip
+    before = keys.clock.early()
+    args = keys.settle_args(7, Status.COMPLETED, b"{}", None, TTL)
+    after = keys.clock.early()
+    assert before is not None
+    assert after is not None
+    assert args[3] == ""
+    assert isinstance(args[6], int)
+    assert before <= args[6] <= after
+    # The reading placed at the end of the round trip: 2 ms behind its middle, which tokens use.
+    assert keys.clock._offset - keys.clock._early == 2_000_000  # ns
+    assert keys.settle_args(7, Status.FAILED, b"{}", NOW, TTL)[3::3] == [
+        str(_protocol.us(NOW)),
+        "",
+    ]
 
 
 def test_release_is_one_script_call_by_token() -> None:

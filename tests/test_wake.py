@@ -381,6 +381,27 @@ def marks(url: str, store: PostgresStore, scope: Scope, *, granted: bool) -> int
     return int(row[0])
 
 
+def meet(
+    pool: ThreadPoolExecutor,
+    rng: random.Random,
+    settle: Callable[[], object],
+    wait: Callable[[], object],
+) -> None:
+    """A settle and a waiter on two threads, released together, each after a random moment
+    of up to 2 ms, so that over many rounds they meet in every order: both must end within
+    the test's deadline (a missed wake-up runs into the wait, which is longer)."""
+    go = threading.Barrier(2)
+
+    def after_a_moment(act: Callable[[], object]) -> None:
+        go.wait(DEADLINE)
+        time.sleep(rng.random() * 0.002)
+        act()
+
+    settled, waited = pool.submit(after_a_moment, settle), pool.submit(after_a_moment, wait)
+    settled.result(DEADLINE)
+    waited.result(DEADLINE)
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("pause", ["none", "before-commit"])
 def test_a_settle_racing_a_waiters_arrival_never_leaves_it_waiting(
@@ -396,24 +417,14 @@ def test_a_settle_racing_a_waiters_arrival_never_leaves_it_waiting(
             for n in range(150):
                 scope, token = held(pg, f"race-{n}")
                 sql, params = settle_statement(pg, scope, token)
-                go = threading.Barrier(2)
 
-                def settle(sql: str = sql, params: Any = params, go: Any = go) -> None:
-                    go.wait(DEADLINE)
-                    time.sleep(rng.random() * 0.002)
+                def settle(sql: str = sql, params: Any = params) -> None:
                     with settling.transaction():
                         settling.execute(sql, params)
                         if pause == "before-commit":
                             time.sleep(rng.random() * 0.002)
 
-                def wait(scope: Scope = scope, go: Any = go) -> None:
-                    go.wait(DEADLINE)
-                    time.sleep(rng.random() * 0.002)
-                    waiter.wait_settled(scope, seconds=2 * DEADLINE)
-
-                settled, waited = pool.submit(settle), pool.submit(wait)
-                settled.result(DEADLINE)
-                waited.result(DEADLINE)  # a missed notification: the wait runs into this
+                meet(pool, rng, settle, functools.partial(waiter.wait_settled, scope, 2 * DEADLINE))
                 record = pg.get(scope)
                 assert record is not None
                 assert record.status is Status.COMPLETED

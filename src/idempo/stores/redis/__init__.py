@@ -48,8 +48,10 @@ its bound.
 **Time.** ``now=None`` (the default policy) means Redis's clock. A fresh reservation, a plain
 ``SET``, stores its lease and its key's PX as durations, and its times are derived from the
 key's expiry (``PEXPIRETIME``, which Redis set from its own clock); every script reads TIME
-and stores absolute times. On Redis's clock a key expires exactly when the record's
-retention ends, so a key Redis still holds is inside its retention: a replay needs no clock.
+and stores absolute times, but the settle, stamped with the caller's estimate of Redis's
+clock (`_protocol.TokenClock`, never ahead of it, never before the record's last change).
+On Redis's clock a key expires exactly when the record's retention ends, so a key Redis
+still holds is inside its retention: a replay needs no clock.
 Leases, retention, takeovers and `purge` (``before=None``) all use the clock of the node that
 holds the record, so a caller whose own clock is wrong cannot take over a live lease. Redis 7
 replicates a script's effects, not the script, so a replica stores the primary's times. A
@@ -81,9 +83,12 @@ past it); any other Redis error raises `StoreError`. A record of the previous la
 is converted in place the first time a reserve, get or evict reads it. Redis is a *leased*
 store only: the business writes and the record never commit together, so it has no ``bind``.
 
-**Waiting.** The settle and release scripts publish on the record's key name, and
-`wait_settled` (what a duplicate told to wait, ``Policy.wait``, calls) subscribes to it
-before it reads the record: the duplicate replays as soon as the first attempt settles.
+**Waiting.** `wait_settled` (what a duplicate told to wait, ``Policy.wait``, calls)
+subscribes to the record's key name, then marks the record (lua/mark.lua: a fresh
+reservation becomes a record on Redis's clock) and learns whether it is still in progress.
+The settle of an unmarked fresh reservation publishes nothing; every other settle, release
+and ended lease publishes on the key name: the duplicate replays as soon as the first
+attempt settles.
 
 `stats` counts records per state with a SCAN over the prefix: fine for tests and the CLI,
 not for a hot path on a large keyspace.

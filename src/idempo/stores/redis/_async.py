@@ -234,8 +234,7 @@ class AsyncRedisStore:
             await pubsub.subscribe(self._keys.key(scope))
             if not _confirmed(await pubsub.get_message(timeout=seconds)):
                 return
-            record = await self.get(scope)
-            if record is None or record.status is not Status.IN_PROGRESS:
+            if not await self._drive(_ops.mark(self._keys, scope)):
                 return
             while (left := deadline - loop.time()) > 0:
                 message = await pubsub.get_message(timeout=left)

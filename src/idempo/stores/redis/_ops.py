@@ -28,7 +28,7 @@ from ...errors import StoreError
 from .._scan import ScanFilter, oldest
 from . import _protocol
 from ._protocol import Keys
-from ._scripts import EVICT, PURGE, RELEASE, RENEW, RESERVE, SETTLE, UPGRADE
+from ._scripts import EVICT, MARK, PURGE, RELEASE, RENEW, RESERVE, SETTLE, UPGRADE
 
 # Keys per SCAN page.
 _SCAN_COUNT = 500
@@ -248,6 +248,12 @@ def get(keys: Keys, scope: Scope) -> Generator[Call, Any, Record | None]:
             return _protocol.decode(value, scope, expiry, own_scope=True).record
         value = again
     raise StoreError("a Redis record kept changing while it was read")
+
+
+def mark(keys: Keys, scope: Scope) -> Generator[Call, Any, bool]:
+    """For a duplicate subscribed to the record's key name: whether the record is still in
+    progress, marked so that its settle publishes (lua/mark.lua)."""
+    return bool(int((yield Run(MARK, [keys.key(scope)], [], scope))))
 
 
 def evict(keys: Keys, scope: Scope) -> Generator[Call, Any, bool]:

@@ -3,27 +3,28 @@
 Scripts run only where a plain command cannot do the work atomically: the reserve script
 (the second step of a reservation whose ``SET NX`` found a record in progress, a tombstone or
 a record on another clock: take it over or hand it back), the fenced settle, renewal and
-checkpoint, release (and the undo of a reservation by its nonce), evict, purge and the
-conversion of a record of the previous layout. Each starts with common.lua (the record's
-layout, the clock, a key's PX) and all but settle with record.lua (parsing a record's header,
-a derived record's times, tombstones, the previous layout).
+checkpoint, release (and the undo of a reservation by its nonce), evict, purge, the
+conversion of a record of the previous layout, and the mark of a duplicate that waits for a
+fresh reservation to settle (so that its settle publishes). Each starts with common.lua (the
+record's layout, the clock, a key's PX) and all but settle with record.lua (parsing a
+record's header, a derived record's times, tombstones, the previous layout).
 
 Inside them every redis.call, string.sub and struct call costs the server some instructions,
-so the hot ones (settle) read the record once, compare the token as the 8 bytes it is stored
-as, and rewrite the value with the strings copied as one piece.
+so the hot one (settle) reads the record once, reads its header as numbers, rewrites the
+value with the strings copied as one piece, and publishes only where a waiter may listen.
 
 Lua numbers are doubles: microsecond timestamps and tokens (~1.8e15) are exact. A number a
 script answers is sent by Redis as an integer reply.
 
     >>> sorted(SCRIPTS)
-    ['evict', 'purge', 'release', 'renew', 'reserve', 'settle', 'upgrade']
+    ['evict', 'mark', 'purge', 'release', 'renew', 'reserve', 'settle', 'upgrade']
 """
 
 from __future__ import annotations
 
 from importlib.resources import files
 
-RESERVE, SETTLE, RENEW, RELEASE, EVICT, PURGE, UPGRADE = (
+RESERVE, SETTLE, RENEW, RELEASE, EVICT, PURGE, UPGRADE, MARK = (
     "reserve",
     "settle",
     "renew",
@@ -31,6 +32,7 @@ RESERVE, SETTLE, RENEW, RELEASE, EVICT, PURGE, UPGRADE = (
     "evict",
     "purge",
     "upgrade",
+    "mark",
 )
 
 _PACKAGE = __name__.rpartition(".")[0]
@@ -54,5 +56,5 @@ def _script(name: str) -> str:
 
 
 SCRIPTS: dict[str, str] = {
-    name: _script(name) for name in (RESERVE, SETTLE, RENEW, RELEASE, EVICT, PURGE, UPGRADE)
+    name: _script(name) for name in (RESERVE, SETTLE, RENEW, RELEASE, EVICT, PURGE, UPGRADE, MARK)
 }

@@ -152,7 +152,8 @@ class RedisStore:
         """Return once the record of ``scope`` is no longer in progress, or ``seconds``
         later: a duplicate told to wait (``Policy.wait``) reserves again as soon as the
         first attempt settles or releases (their scripts publish on the record's key name)
-        instead of polling. Subscribed before the record is read, so no settle falls in
+        instead of polling. Subscribed before the record is read and marked (lua/mark.lua:
+        a fresh reservation's settle publishes only once marked), so no settle falls in
         between. Any failure only ends the wait: the reservation that follows meets it."""
         deadline = time.monotonic() + seconds
         pubsub = self.client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
@@ -160,8 +161,7 @@ class RedisStore:
             pubsub.subscribe(self._keys.key(scope))
             if not _confirmed(pubsub.get_message(timeout=seconds)):
                 return
-            record = self.get(scope)
-            if record is None or record.status is not Status.IN_PROGRESS:
+            if not self._drive(_ops.mark(self._keys, scope)):
                 return
             while (left := deadline - time.monotonic()) > 0:
                 message = pubsub.get_message(timeout=left)
