@@ -102,6 +102,11 @@ def map_error(exc: BaseException) -> BaseException:
         return FencedError(f"cannot settle: {stale}")
     if isinstance(exc, pg_errors.LockNotAvailable):
         return LockTimeoutError(str(exc))
+    if isinstance(exc, pg_errors.UndefinedFunction) and "_reserve(" in str(exc):
+        # The reservation function, dropped since the store found it (the dialect then
+        # asks again on its next reservation).
+        text = exc.diag.message_primary or str(exc)
+        return schema_missing("PostgreSQL", text.removesuffix(" does not exist"))
     if isinstance(exc, pg_errors.UndefinedTable):
         # Also what nextval() raises for a missing sequence: 'relation "..." does not exist'.
         text = exc.diag.message_primary or str(exc)

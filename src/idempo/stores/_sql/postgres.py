@@ -15,7 +15,7 @@ from ..._core.digest import key_ref
 from ..._core.keys import Scope
 from ..._core.ops import Checkpoint, Release, Reserve, Settle
 from ..._core.record import InProgress, Reservation
-from ...errors import FencedError
+from ...errors import FencedError, SchemaMissingError
 from .dialect import (
     COLUMNS,
     FENCED_MARKER,
@@ -379,7 +379,12 @@ class PostgresDialect(SqlDialect):
         present = installed.present
         sql = self.reserve_statement(present)
         for _ in range(RESERVE_TRIES):
-            rows = yield Statement(sql, params)
+            try:
+                rows = yield Statement(sql, params)
+            except SchemaMissingError:
+                # The function (or the table) went since it was found: ask again next time.
+                installed.present = None
+                raise
             if present is None and rows:
                 # The probe's answer, the row's last column: from now on, the one or the
                 # other, for every reservation of this store (`migrate` asks again).
