@@ -10,7 +10,6 @@ commits between the function's read and its insert; the fallback, `idempo doctor
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator
@@ -32,6 +31,7 @@ from idempo.doctor import Level, diagnose
 from idempo.errors import CorruptRecordError, FencedError, SchemaMissingError
 from idempo.stores._sql.dialect import Statement
 from idempo.stores.postgres import AsyncPostgresStore, PostgresStore
+from test_races import report_outcomes, run_processes
 
 pytestmark = pytest.mark.postgres
 
@@ -550,14 +550,13 @@ def seed_in(conn: psycopg.Connection[Any], table: str, key: str) -> None:
     )
 
 
-PROCESSES = 4
+def _process_main(
+    url: str, table: str, index: int, keys: list[str], barrier: Any, results: Any
+) -> None:
+    """A spawned process (`test_races.run_processes`): its own store, one reservation per key
+    at the barrier; what each got, and the replayed response."""
 
-
-def _process_main(url: str, table: str, keys: list[str], barrier: Any, results: Any) -> None:
-    """A spawned process: its own store, one reservation per key at the barrier."""
-    outcomes: list[tuple[str, str, bytes | None]] = []
-    problem = None
-    try:
+    def run(outcomes: list[Any]) -> None:
         with opened(url, table, max_size=2) as store:
             for key in keys:
                 barrier.wait(timeout=BARRIER_TIMEOUT)
@@ -565,10 +564,8 @@ def _process_main(url: str, table: str, keys: list[str], barrier: Any, results: 
                 response = got.record.response if isinstance(got, Replay) else None
                 outcomes.append((key, type(got).__name__, response))
             assert store.dialect.installed.present is True
-    except BaseException as exc:
-        barrier.abort()
-        problem = repr(exc)
-    results.put((outcomes, problem))
+
+    report_outcomes(index, barrier, results, run)
 
 
 @pytest.mark.slow
@@ -576,26 +573,11 @@ def test_processes_racing_one_key_leave_one_winner(postgres_url: str, table: str
     """Spawned processes, each with its own store, released together at each key: exactly
     one acquires it, every other one is told it is in progress or gets its replay."""
     keys = [f"k{i}" for i in range(KEYS)]
-    _open(url := postgres_url, table).close()  # made once: the children only migrate again
-    context = multiprocessing.get_context("spawn")
-    barrier, results = context.Barrier(PROCESSES), context.Queue()
-    processes = [
-        context.Process(target=_process_main, args=(url, table, keys, barrier, results))
-        for _ in range(PROCESSES)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        gathered = [results.get(timeout=150) for _ in processes]
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-    assert [problem for _, problem in gathered if problem] == []
+    _open(postgres_url, table).close()  # made once: the children only migrate again
     by_key: dict[str, Counter[str]] = {key: Counter() for key in keys}
-    for outcomes, _ in gathered:
-        for key, kind, response in outcomes:
-            by_key[key][kind] += 1
-            assert response in (None, b"first")
+    for key, kind, response in run_processes(_process_main, (postgres_url, table), keys):
+        by_key[key][kind] += 1
+        assert response in (None, b"first")
     for key, kinds in by_key.items():
         assert kinds["Acquired"] == 1, (key, kinds)
         assert set(kinds) <= {"Acquired", "InProgress", "Replay"}, (key, kinds)
