@@ -380,6 +380,8 @@ def drop_schema(dsn: str) -> None:
         conn.execute(
             f"DROP TABLE IF EXISTS {PAYMENTS_TABLE}, {KEYS_TABLE}, {IDEMKIT_TABLE}, {IDEMPO_TABLE}"
         )
+        # idempo's reservation function (`migrate` makes it; it outlives its table).
+        conn.execute(f"DROP FUNCTION IF EXISTS {IDEMPO_TABLE}_reserve")
 
 
 # --------------------------------------------------------------------------- measuring

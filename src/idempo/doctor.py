@@ -308,11 +308,36 @@ def _postgres(store: Any, clock: Callable[[], datetime]) -> Iterator[Finding]:
     (tokens,), *_ = _query(
         store, "SELECT to_regclass(:sequence) IS NOT NULL", {"sequence": store.dialect.tokens}
     )
-    yield _schema(store, {str(c) for (c,) in columns}, bool(tokens))
+    found = _schema(store, {str(c) for (c,) in columns}, bool(tokens))
+    yield found
+    if found.level is Level.PASS:
+        yield _reserve_function(store)
     offset, half = _timed(
         clock, lambda: _query(store, "SELECT clock_timestamp()")[0][0].astimezone(UTC)
     )
     yield _skew("PostgreSQL", offset, half)
+
+
+def _reserve_function(store: Any) -> Finding:
+    dialect = store.dialect
+    found = _query(
+        store,
+        "SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(:signature)",
+        {"signature": dialect.signature},
+    )
+    name = f"the reservation function {dialect.function}"
+    if found and str(found[0][0]).strip() == dialect.function_body.strip():
+        return Finding("reserve_function", Level.PASS, f"{name} is current", None, "ok")
+    fix = "run `idempo migrate URL` again: it makes the function and changes nothing else"
+    if found:
+        why = f"{name} is not this version's (another version of idempo made it)"
+        return Finding("reserve_function", Level.WARN, why, fix, "outdated")
+    why = (
+        f"{name} is missing (the table was migrated before it): every replay costs the"
+        " server the reservation statement's insert and update, set up for nothing"
+        " (correct, and slower)"
+    )
+    return Finding("reserve_function", Level.WARN, why, fix, "missing")
 
 
 # -- MariaDB ---------------------------------------------------------------------------------

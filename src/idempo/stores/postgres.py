@@ -102,6 +102,11 @@ def map_error(exc: BaseException) -> BaseException:
         return FencedError(f"cannot settle: {stale}")
     if isinstance(exc, pg_errors.LockNotAvailable):
         return LockTimeoutError(str(exc))
+    if isinstance(exc, pg_errors.UndefinedFunction) and "_reserve(" in str(exc):
+        # The reservation function, dropped since the store found it (the dialect then
+        # asks again on its next reservation).
+        text = exc.diag.message_primary or str(exc)
+        return schema_missing("PostgreSQL", text.removesuffix(" does not exist"))
     if isinstance(exc, pg_errors.UndefinedTable):
         # Also what nextval() raises for a missing sequence: 'relation "..." does not exist'.
         text = exc.diag.message_primary or str(exc)
@@ -947,6 +952,10 @@ class PostgresStore(SqlStore):
             for _ in conn.notifies(timeout=0):  # what came before UNLISTEN took effect
                 pass
 
+    def migrate(self) -> None:
+        super().migrate()
+        self.dialect.installed.present = None  # asked again: `migrate` just made it
+
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> SyncUnit:
@@ -1107,6 +1116,10 @@ class AsyncPostgresStore(AsyncSqlStore):
                         await conn.execute(watch.unwatch)
                     async for _ in conn.notifies(timeout=0):
                         pass
+
+    async def migrate(self) -> None:
+        await super().migrate()
+        self.dialect.installed.present = None  # asked again: `migrate` just made it
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None

@@ -253,10 +253,19 @@ class SqlDialect:
             f" created_at = CASE WHEN r.expires_at <= {now} THEN {now} ELSE r.created_at END,"
             f" recovery_point = CASE WHEN r.expires_at <= {now} THEN NULL"
             " ELSE r.recovery_point END"
-            f" WHERE {condition}{_WHERE_SCOPE} AND (r.expires_at <= {now}"
-            f" OR (r.state = 'in_progress' AND r.lease_expires_at <= {now}"
-            " AND r.fingerprint = :fingerprint))"
+            f" WHERE {condition}{_WHERE_SCOPE} AND {self.takeable('r')}"
             f" RETURNING {COLUMNS}"
+        )
+
+    def takeable(self, alias: str) -> str:
+        """SQL that is true when the record ``alias`` may be taken over at ``now`` by the
+        reservation's request: its retention is over, or its lease is and the request is the
+        same (``:fingerprint``). NULL, not false, for an in-progress record without a lease,
+        which only a corrupt row is: every use takes only true for a takeover."""
+        now = self.now
+        return (
+            f"({alias}.expires_at <= {now} OR ({alias}.state = 'in_progress'"
+            f" AND {alias}.lease_expires_at <= {now} AND {alias}.fingerprint = :fingerprint))"
         )
 
     @cached_property

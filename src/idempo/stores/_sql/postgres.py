@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import re
 import zlib
 from datetime import UTC, timedelta
 from functools import cached_property, lru_cache
@@ -14,8 +15,16 @@ from ..._core.digest import key_ref
 from ..._core.keys import Scope
 from ..._core.ops import Checkpoint, Release, Reserve, Settle
 from ..._core.record import InProgress, Reservation
-from ...errors import FencedError
-from .dialect import COLUMNS, FENCED_MARKER, RESERVE_TRIES, SqlDialect, SqlGen, Statement
+from ...errors import FencedError, SchemaMissingError
+from .dialect import (
+    COLUMNS,
+    FENCED_MARKER,
+    RESERVE_TRIES,
+    SqlDialect,
+    SqlGen,
+    Statement,
+    derived_name,
+)
 
 # What the statement after a reservation on the app's connection raises when the reservation
 # holds nothing (a replay, a mismatch, a lost race), so that PostgreSQL ends the transaction
@@ -35,6 +44,38 @@ _WAKE = (
     f"CASE WHEN NOT pg_try_advisory_xact_lock({WAKE_CLASS}, CAST(:wake AS integer))"
     " THEN pg_notify('idempo_wake_' || CAST(:wake AS integer), '') END"
 )
+
+
+# The reservation function's parameters (`PostgresDialect.function_ddl`), in order: the
+# reservation statement's own parameter names, and their types.
+_FUNCTION_PARAMS = ("principal", "operation", "key", "fingerprint", "now", "lease", "lease_ttl")
+_FUNCTION_TYPES = "text, text, text, text, timestamptz, interval, interval"
+# What it returns: the reservation statement's row, ``(acquired, *COLUMNS, decided)``.
+_ROW_TYPES = (
+    "boolean", "text", "text", "text", "text", "text", "bigint", "timestamptz", "bytea",
+    "timestamptz", "timestamptz", "timestamptz", "text", "timestamptz",
+)  # fmt: skip
+_ROW_NAMES = ("acquired", *(name.strip() for name in COLUMNS.split(",")), "decided")
+# The advisory lock `migrate` takes around making the function ("idmi", and the function's
+# hash): two migrations at once (migrate on open, in each of an app's workers) would
+# otherwise fail one of them ("tuple concurrently updated").
+MIGRATE_CLASS = int.from_bytes(b"idmi")
+_PARAM = re.compile(r"(?<!:):([a-z_]+)")
+
+
+def positional(sql: str) -> str:
+    """A reservation statement's ``:name`` parameters as the function's ``$n``."""
+    return _PARAM.sub(lambda found: f"${_FUNCTION_PARAMS.index(found[1]) + 1}", sql)
+
+
+class Installed:
+    """Whether the table's reservation function exists (None: not known yet), learnt by the
+    first reservation and shared by a dialect and its clones (`PostgresDialect.waiting`)."""
+
+    __slots__ = ("present",)
+
+    def __init__(self) -> None:
+        self.present: bool | None = None
 
 
 def pg_interval(span: timedelta) -> str:
@@ -68,6 +109,11 @@ class PostgresDialect(SqlDialect):
     def __init__(self, table: str) -> None:
         super().__init__(table)
         self.sequence = self.tokens
+        # The reservation function `migrate` installs, named from the table as its sequence
+        # is (a function is no relation: it never meets a table of that name).
+        self.function = derived_name(table, "reserve")
+        self.signature = f"{self.function}({_FUNCTION_TYPES})"
+        self.installed = Installed()
         self._waiting: dict[str, PostgresDialect] = {}
 
     def waiting(self, lock_timeout: timedelta) -> PostgresDialect:
@@ -126,16 +172,72 @@ class PostgresDialect(SqlDialect):
             f" FROM (SELECT max(token) AS m FROM {self.table}) AS r, {self.sequence} AS s"
             " WHERE m > 0;"
             " END IF; END $idempo$",
+            self.function_ddl,
         ]
 
     @cached_property
-    def _takeover_allowed(self) -> str:
-        now = self.now
-        return (
-            f"EXISTS (SELECT 1 FROM existing e WHERE e.expires_at <= {now}"
-            f" OR (e.state = 'in_progress' AND e.lease_expires_at <= {now}"
-            " AND e.fingerprint = :fingerprint)) AND "
+    def function_body(self) -> str:
+        """The reservation function's PL/pgSQL: the reservation statement's answer, with no
+        write where it needs none.
+
+        It reads the record first. A record found that no takeover may take (`takeable` not
+        true: completed or failed within its retention, a live lease, another request's
+        fingerprint) is answered as it is, as the reservation statement answers it, without
+        setting up the insert and the update that statement plans even when their guards
+        skip them. No record found: the insert, alone; a record that may be taken over, or
+        an insert that met one (a duplicate's, committed since the read or in flight): the
+        reservation statement itself, whose fresh snapshot decides as a retry would.
+        docs/decisions.md ("PostgreSQL's reservation function") has why each answer is one
+        the reservation statement could have given.
+        """
+        now, row = self.now, ", ".join(f"r.{name}" for name in _ROW_NAMES[1:-1])
+        into = ", ".join(_ROW_NAMES)
+        read = (
+            f"SELECT false, {row}, {now}, {self.takeable('r')} IS TRUE"
+            f" INTO {into}, stale FROM {self.table} AS r WHERE {self.where_record}"
         )
+        insert = (
+            f"INSERT INTO {self.table} AS r ({self.insert_columns}) VALUES ({self.insert_values})"
+            f" ON CONFLICT DO NOTHING RETURNING true, {row}, {now} INTO {into}"
+        )
+        # The OUT parameters are named as the table's columns: the columns win (the
+        # function's own values are only ever assigned, by INTO).
+        return positional(
+            "#variable_conflict use_column\n"
+            "DECLARE stale boolean;\n"
+            "BEGIN\n"
+            f"  {read};\n"
+            "  IF NOT FOUND THEN\n"
+            f"    {insert};\n"
+            "    IF FOUND THEN RETURN; END IF;\n"
+            "  ELSIF NOT stale THEN\n"
+            "    RETURN;\n"
+            "  END IF;\n"
+            f"  {self.reserve_sql} INTO {into};\n"
+            "END"
+        )
+
+    @cached_property
+    def function_ddl(self) -> str:
+        """What `migrate` runs to make (or remake) the reservation function, under an
+        advisory lock that keeps two migrations from replacing it at once."""
+        outs = ", ".join(f"OUT {n} {t}" for n, t in zip(_ROW_NAMES, _ROW_TYPES, strict=True))
+        lock = f"{MIGRATE_CLASS}, {zlib.crc32(self.function.encode()) >> 1}"
+        return (
+            f"DO $migrate$ BEGIN PERFORM pg_advisory_xact_lock({lock});"
+            f" CREATE OR REPLACE FUNCTION {self.function}({_FUNCTION_TYPES}, {outs})"
+            f" LANGUAGE plpgsql VOLATILE AS $idempo$\n{self.function_body}\n$idempo$;"
+            " END $migrate$"
+        )
+
+    @property
+    def where_record(self) -> str:
+        """`where_scope` on the record aliased ``r``."""
+        return "r.principal = :principal AND r.operation = :operation AND r.idem_key = :key"
+
+    @cached_property
+    def _takeover_allowed(self) -> str:
+        return f"EXISTS (SELECT 1 FROM existing e WHERE {self.takeable('e')}) AND "
 
     @cached_property
     def _writes(self) -> str:
@@ -152,22 +254,54 @@ class PostgresDialect(SqlDialect):
         )
         return f"inserted AS ({insert}), taken AS ({self.takeover_where(self._takeover_allowed)})"
 
-    @cached_property
-    def _answer(self) -> str:
+    def _answer(self, extra: str = "") -> str:
         """The reservation's row ``(acquired, *columns, decided_at)``: the record written,
-        else the one found."""
+        else the one found; ``extra``: more columns of each, after those."""
         now = self.now
         return (
-            f"SELECT true AS acquired, {COLUMNS}, {now} AS decided FROM inserted"
-            f" UNION ALL SELECT true, {COLUMNS}, {now} FROM taken"
-            f" UNION ALL SELECT false, {COLUMNS}, {now} FROM existing"
+            f"SELECT true AS acquired, {COLUMNS}, {now} AS decided{extra} FROM inserted"
+            f" UNION ALL SELECT true, {COLUMNS}, {now}{extra} FROM taken"
+            f" UNION ALL SELECT false, {COLUMNS}, {now}{extra} FROM existing"
             " WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)"
         )
 
     @cached_property
     def reserve_sql(self) -> str:
-        """The reservation on the store's own connection, whose session has its lock timeout."""
-        return f"WITH existing AS ({self.select_sql}), {self._writes} {self._answer}"
+        """The reservation statement on the store's own connection, whose session has its
+        lock timeout: the reservation function's last resort, and the reservation itself
+        where the function is missing (a table migrated before it)."""
+        return f"WITH existing AS ({self.select_sql}), {self._writes} {self._answer()}"
+
+    @cached_property
+    def _probe(self) -> str:
+        """A last column for the reservation statement: whether the function exists."""
+        return f", to_regprocedure('{self.signature}') IS NOT NULL"
+
+    @cached_property
+    def probing_reserve_sql(self) -> str:
+        """`reserve_sql` that also says whether the function exists, for the first
+        reservation (no round trip of its own; a row missing, from a lost race, asks again)."""
+        return f"WITH existing AS ({self.select_sql}), {self._writes} {self._answer(self._probe)}"
+
+    @cached_property
+    def call_sql(self) -> str:
+        """The reservation through the function: one row, all NULL when it found nothing
+        (a lost race, as the statement's no row)."""
+        args = (
+            ":principal, :operation, :key, :fingerprint, CAST(:now AS timestamptz),"
+            " CAST(:lease AS interval), CAST(:lease_ttl AS interval)"
+        )
+        return f"SELECT * FROM {self.function}({args})"
+
+    def reserve_statement(self, present: bool | None) -> str:
+        """The reservation's SQL where the function exists (``present``), does not, or may."""
+        if self.lock_ms is None:
+            if present:
+                return self.call_sql
+            return self.reserve_sql if present is False else self.probing_reserve_sql
+        if present:
+            return self.waiting_call_sql
+        return self.waiting_reserve_sql if present is False else self.probing_waiting_sql
 
     @cached_property
     def waiting_reserve_sql(self) -> str:
@@ -186,17 +320,43 @@ class PostgresDialect(SqlDialect):
         rollback (to a savepoint too) undoes a local setting. The row also leaves
         ``idempo.held`` = 'y' in the transaction when it took the key, for `UNHELD_SQL`.
         """
+        return self._waiting_around(self._waiting_parts)
+
+    @cached_property
+    def _waiting_parts(self) -> str:
+        return (
+            f"existing AS ({self.select_sql} AND EXISTS (SELECT 1 FROM saved)),"
+            f" {self._writes}, answer AS ({self._answer()})"
+        )
+
+    @cached_property
+    def probing_waiting_sql(self) -> str:
+        """`waiting_reserve_sql` that also says whether the function exists (its one row
+        always comes back)."""
+        return self._waiting_around(self._waiting_parts, self._probe)
+
+    @cached_property
+    def waiting_call_sql(self) -> str:
+        """`waiting_reserve_sql` through the function. The one-time filter on ``saved``
+        keeps the function from running before our lock timeout is set; the app's comes
+        back once the function's row is made (it runs to its end before its row is read)."""
+        return self._waiting_around(
+            f"answer AS ({self.call_sql} AS f WHERE EXISTS (SELECT 1 FROM saved))"
+        )
+
+    def _waiting_around(self, answer: str, extra: str = "") -> str:
+        """The reservation ``answer`` (CTEs ending in one named ``answer``) with the lock
+        timeout set before it and put back after it, and ``idempo.held`` left behind;
+        ``extra``: more columns, last."""
         saved = (
             "SELECT app, set_config('lock_timeout', :lock_ms, true) FROM"
             " (SELECT current_setting('lock_timeout') AS app OFFSET 0) AS s"
         )
         return (
-            f"WITH saved AS MATERIALIZED ({saved}),"
-            f" existing AS ({self.select_sql} AND EXISTS (SELECT 1 FROM saved)),"
-            f" {self._writes}, answer AS ({self._answer})"
+            f"WITH saved AS MATERIALIZED ({saved}), {answer}"
             " SELECT answer.*, set_config('lock_timeout', (SELECT app FROM saved), true),"
             " set_config('idempo.held', CASE WHEN answer.acquired THEN 'y' ELSE '' END, true)"
-            " FROM (VALUES (1)) AS one (n) LEFT JOIN answer ON true"
+            f"{extra} FROM (VALUES (1)) AS one (n) LEFT JOIN answer ON true"
         )
 
     # Sent right after a reservation that runs before BEGIN (see `_Batch` in
@@ -213,12 +373,23 @@ class PostgresDialect(SqlDialect):
 
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         params = self.reserve_params(op)
-        sql = self.reserve_sql
         if self.lock_ms is not None:
-            sql = self.waiting_reserve_sql
             params["lock_ms"] = self.lock_ms
+        installed = self.installed
+        present = installed.present
+        sql = self.reserve_statement(present)
         for _ in range(RESERVE_TRIES):
-            rows = yield Statement(sql, params)
+            try:
+                rows = yield Statement(sql, params)
+            except SchemaMissingError:
+                # The function (or the table) went since it was found: ask again next time.
+                installed.present = None
+                raise
+            if present is None and rows:
+                # The probe's answer, the row's last column: from now on, the one or the
+                # other, for every reservation of this store (`migrate` asks again).
+                present = installed.present = bool(rows[0][-1])
+                sql = self.reserve_statement(present)
             reservation = self.judge_rows(rows, op)
             if reservation is not None:
                 return reservation
