@@ -343,6 +343,32 @@ def test_migrations_at_once_all_succeed(postgres_url: str, table: str) -> None:
             store.close()
 
 
+@pytest.mark.parametrize("round_", range(3))
+def test_first_migrations_at_once_of_a_new_table_all_succeed(
+    postgres_url: str, pg_schema: str, round_: int
+) -> None:
+    """Stores migrating a table that does not exist yet, at once (each of an app's workers
+    migrating on open): all succeed, and the table works. Without the migration lock around
+    the whole of it, two ``CREATE TABLE IF NOT EXISTS`` both passed their check and one
+    failed on the catalog's unique index, in every round."""
+    table = f"{pg_schema}.fresh_{round_}"
+    stores = [PostgresStore(postgres_url, table=table, max_size=1) for _ in range(6)]
+    barrier = threading.Barrier(len(stores))
+
+    def migrate(store: PostgresStore) -> None:
+        barrier.wait(timeout=BARRIER_TIMEOUT)
+        store.migrate()
+
+    try:
+        with ThreadPoolExecutor(len(stores)) as pool:
+            list(pool.map(migrate, stores))
+        assert isinstance(reserve(stores[0], "k"), Acquired)
+        assert isinstance(reserve(stores[1], "k"), InProgress)
+    finally:
+        for store in stores:
+            store.close()
+
+
 def test_a_function_dropped_later_is_a_missing_schema_then_the_statement(
     postgres_url: str, table: str
 ) -> None:

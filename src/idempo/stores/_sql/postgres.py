@@ -149,31 +149,48 @@ class PostgresDialect(SqlDialect):
         return f"nextval('{self.sequence}')"
 
     def ddl(self) -> list[str]:
+        """One statement, every step of it under `_locked`'s advisory lock: stores migrating
+        at once (migrate on open, in each of an app's workers) take turns, where two
+        ``CREATE TABLE IF NOT EXISTS`` of one new table both pass the check and one then
+        fails on the catalog's unique index (it did, in every round of six at once). One
+        transaction too, so a migration that fails leaves nothing half made."""
         index = self.table.replace(".", "_") + "_expires_at"
         return [
-            f"CREATE TABLE IF NOT EXISTS {self.table} ("
-            " principal text NOT NULL, operation text NOT NULL, idem_key text NOT NULL,"
-            " fingerprint text NOT NULL, state text NOT NULL, token bigint NOT NULL,"
-            " lease_expires_at timestamptz, response bytea,"
-            " created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL,"
-            " expires_at timestamptz NOT NULL, recovery_point text,"
-            " PRIMARY KEY (principal, operation, idem_key))"
-            # Room on each page for the one in-place update a record gets when it completes.
-            " WITH (fillfactor = 80)",
-            f"CREATE INDEX IF NOT EXISTS {index.rsplit('.', 1)[-1]} ON {self.table} (expires_at)",
-            # The token sequence, made once. On a table that already has records (an install
-            # from before it) it starts past their largest token. The table lock keeps every
-            # reservation out meanwhile (they take ROW EXCLUSIVE before calling nextval), so
-            # no token is handed out between reading the largest and setting the sequence.
-            f"DO $idempo$ BEGIN IF to_regclass('{self.sequence}') IS NULL THEN"
-            f" LOCK TABLE {self.table} IN SHARE ROW EXCLUSIVE MODE;"
-            f" CREATE SEQUENCE IF NOT EXISTS {self.sequence} AS bigint;"
-            f" PERFORM setval('{self.sequence}', greatest(m, s.last_value))"
-            f" FROM (SELECT max(token) AS m FROM {self.table}) AS r, {self.sequence} AS s"
-            " WHERE m > 0;"
-            " END IF; END $idempo$",
-            self.function_ddl,
+            self._locked(
+                f"CREATE TABLE IF NOT EXISTS {self.table} ("
+                " principal text NOT NULL, operation text NOT NULL, idem_key text NOT NULL,"
+                " fingerprint text NOT NULL, state text NOT NULL, token bigint NOT NULL,"
+                " lease_expires_at timestamptz, response bytea,"
+                " created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL,"
+                " expires_at timestamptz NOT NULL, recovery_point text,"
+                " PRIMARY KEY (principal, operation, idem_key))"
+                # Room on each page for the one in-place update a record gets when it
+                # completes.
+                " WITH (fillfactor = 80);"
+                f" CREATE INDEX IF NOT EXISTS {index.rsplit('.', 1)[-1]}"
+                f" ON {self.table} (expires_at);"
+                # The token sequence, made once. On a table that already has records (an
+                # install from before it) it starts past their largest token. The table lock
+                # keeps every reservation out meanwhile (they take ROW EXCLUSIVE before
+                # calling nextval), so no token is handed out between reading the largest
+                # and setting the sequence.
+                f" IF to_regclass('{self.sequence}') IS NULL THEN"
+                f" LOCK TABLE {self.table} IN SHARE ROW EXCLUSIVE MODE;"
+                f" CREATE SEQUENCE IF NOT EXISTS {self.sequence} AS bigint;"
+                f" PERFORM setval('{self.sequence}', greatest(m, s.last_value))"
+                f" FROM (SELECT max(token) AS m FROM {self.table}) AS r, {self.sequence} AS s"
+                " WHERE m > 0;"
+                " END IF; "
+                f"{self._function_step}"
+            )
         ]
+
+    def _locked(self, steps: str) -> str:
+        """``steps`` (PL/pgSQL) as one statement that first waits for the table's migration
+        lock: an advisory lock ("idmi" and a hash of the function's name) held until the
+        statement's transaction ends."""
+        lock = f"{MIGRATE_CLASS}, {zlib.crc32(self.function.encode()) >> 1}"
+        return f"DO $migrate$ BEGIN PERFORM pg_advisory_xact_lock({lock}); {steps} END $migrate$"
 
     @cached_property
     def function_body(self) -> str:
@@ -218,17 +235,18 @@ class PostgresDialect(SqlDialect):
         )
 
     @cached_property
-    def function_ddl(self) -> str:
-        """What `migrate` runs to make (or remake) the reservation function, under an
-        advisory lock that keeps two migrations from replacing it at once."""
+    def _function_step(self) -> str:
         outs = ", ".join(f"OUT {n} {t}" for n, t in zip(_ROW_NAMES, _ROW_TYPES, strict=True))
-        lock = f"{MIGRATE_CLASS}, {zlib.crc32(self.function.encode()) >> 1}"
         return (
-            f"DO $migrate$ BEGIN PERFORM pg_advisory_xact_lock({lock});"
-            f" CREATE OR REPLACE FUNCTION {self.function}({_FUNCTION_TYPES}, {outs})"
+            f"CREATE OR REPLACE FUNCTION {self.function}({_FUNCTION_TYPES}, {outs})"
             f" LANGUAGE plpgsql VOLATILE AS $idempo$\n{self.function_body}\n$idempo$;"
-            " END $migrate$"
         )
+
+    @cached_property
+    def function_ddl(self) -> str:
+        """The reservation function made (or remade) alone, under the migration lock: the
+        last step of `ddl`."""
+        return self._locked(self._function_step)
 
     @property
     def where_record(self) -> str:
