@@ -952,10 +952,6 @@ class PostgresStore(SqlStore):
             for _ in conn.notifies(timeout=0):  # what came before UNLISTEN took effect
                 pass
 
-    def migrate(self) -> None:
-        super().migrate()
-        self.dialect.installed.present = None  # asked again: `migrate` just made it
-
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None
     ) -> SyncUnit:
@@ -1116,10 +1112,6 @@ class AsyncPostgresStore(AsyncSqlStore):
                         await conn.execute(watch.unwatch)
                     async for _ in conn.notifies(timeout=0):
                         pass
-
-    async def migrate(self) -> None:
-        await super().migrate()
-        self.dialect.installed.present = None  # asked again: `migrate` just made it
 
     def bind(
         self, conn: Any, *, mode: Mode = "transactional", lock_timeout: timedelta | None = None

@@ -274,9 +274,6 @@ class SQLiteStore(SqlStore):
         # 1, 2, 5, 10... ms between tries, which under concurrent requests is most of a
         # write's time. Other processes' writers are still waited for by busy_timeout.
         self._writer = threading.RLock()
-        # Whether the file has the token counter's triggers (`_has_triggers`); None: not
-        # asked yet.
-        self._triggers: bool | None = None
 
     def connect(self) -> sqlite3.Connection:
         """A new connection to the store's file, set up as idempo expects (WAL, busy timeout).
@@ -455,23 +452,15 @@ class SQLiteStore(SqlStore):
 
     def _has_triggers(self, cursor: sqlite3.Cursor) -> bool:
         """Whether the file has the triggers that keep the token counter (`migrate` makes
-        them); asked once per store, and again after its `migrate`. Without them, fresh
-        reservations keep their transaction, which moves the counter itself."""
-        triggers = self._triggers
+        them); asked once per store (its dialect, which the async store shares, keeps the
+        answer), and again after its `migrate`. Without them, fresh reservations keep their
+        transaction, which moves the counter itself."""
+        dialect = self.dialect
+        triggers = dialect.has_triggers
         if triggers is None:
-            dialect = self.dialect
             ((count,),) = cursor.execute(dialect.triggers_sql, dialect.triggers_params).fetchall()
-            triggers = self._triggers = count == len(dialect.triggers)
+            triggers = dialect.has_triggers = count == len(dialect.triggers)
         return triggers
-
-    def migrate(self) -> None:
-        super().migrate()
-        self.schema_changed()
-
-    def schema_changed(self) -> None:
-        """Forget what was learnt of the file's schema (`_has_triggers`): `migrate` may just
-        have made the triggers, here or through the async store that wraps this one."""
-        self._triggers = None
 
     def run(self, gen: TxGen[T]) -> T:
         if not self._writer.acquire(timeout=self._busy_timeout.total_seconds()):
@@ -613,10 +602,6 @@ class AsyncSQLiteStore(AsyncSqlStore):
             # transaction waits for it (and its connection checkpoints).
             return self.in_thread(op)
         return done_at_once(None if answer is True else answer)
-
-    async def migrate(self) -> None:
-        await super().migrate()
-        self._sync.schema_changed()
 
     async def run(self, gen: TxGen[T]) -> T:
         # A worker thread cannot be stopped: a caller cancelled meanwhile would never learn

@@ -169,6 +169,10 @@ class SqlDialect:
     def ddl(self) -> list[str]:
         raise NotImplementedError
 
+    def schema_changed(self) -> None:
+        """Forget what was learnt of the schema (what a store found missing): `migrate` has
+        just run, and may have made it."""
+
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         raise NotImplementedError
 

@@ -116,6 +116,9 @@ class PostgresDialect(SqlDialect):
         self.installed = Installed()
         self._waiting: dict[str, PostgresDialect] = {}
 
+    def schema_changed(self) -> None:
+        self.installed.present = None  # asked again: `migrate` may just have made it
+
     def waiting(self, lock_timeout: timedelta) -> PostgresDialect:
         """This dialect for the app's connection: its reservation waits on a row lock at most
         ``lock_timeout``, set by the statement itself (made once per value, then reused)."""

@@ -42,6 +42,12 @@ class SQLiteDialect(SqlDialect):
         self.master = f"{schema}{dot}sqlite_master"
         self.triggers_params = {"made": self.triggers[0].rpartition(".")[2]}
         self.triggers_params["moved"] = self.triggers[1].rpartition(".")[2]
+        # Whether the file has those triggers (`SQLiteStore._has_triggers`); None: not
+        # asked yet, or asked again since a `migrate`.
+        self.has_triggers: bool | None = None
+
+    def schema_changed(self) -> None:
+        self.has_triggers = None
 
     def db_time(self, value: datetime) -> Any:
         return (value - _EPOCH) // ONE_US

@@ -851,6 +851,7 @@ class SqlStore(SyncUnit):
         """Create the records table and its index if they do not exist."""
         for sql in self.dialect.ddl():
             self.run(_ddl(sql))
+        self.dialect.schema_changed()
 
     def get(self, scope: Scope) -> Record | None:
         return self.read(self.dialect.get(scope))
@@ -900,6 +901,7 @@ class AsyncSqlStore(AsyncUnit):
         """Create the records table and its index if they do not exist."""
         for sql in self.dialect.ddl():
             await self.run(_ddl(sql))
+        self.dialect.schema_changed()
 
     async def get(self, scope: Scope) -> Record | None:
         return await self.run(self.dialect.get(scope))
