@@ -10,6 +10,8 @@ Scenarios:
 
     bare              no middleware
     memory, sqlite    IdempotencyMiddleware on open_async_store("memory://" | "sqlite:///...")
+    aih               the peer asgi-idempotency-header's middleware, its MemoryBackend (it
+                      keeps the response by key alone: no body read, no fingerprint)
     *_replay          the same, one primed key for every request
 
 Scenarios run in interleaved rounds and the table shows each one's best round (the least
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import importlib.util
 import io
 import pstats
 import shutil
@@ -49,8 +52,8 @@ from _measure import callgrind_count
 from _report import report as report_row
 from asgi_middleware import BODY, build_app, migrate  # the real bench's app, not a copy
 
-KINDS = {"bare": "bare", "memory": "idempo_memory", "sqlite": "idempo_sqlite"}
-SCENARIOS = ["bare", "memory", "memory_replay", "sqlite", "sqlite_replay"]
+KINDS = {"bare": "bare", "memory": "idempo_memory", "sqlite": "idempo_sqlite", "aih": "aih"}
+SCENARIOS = ["bare", "memory", "memory_replay", "sqlite", "sqlite_replay", "aih", "aih_replay"]
 
 Message = dict[str, Any]
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -243,20 +246,37 @@ def instructions(names: list[str], small: int, large: int, loop: str) -> None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     print(f"{'scenario':<16}{'instr/req':>11}{'overhead':>11}")
     base: float | None = None
+    measured: dict[str, float] = {}
     for name in names:
         args = ["--only", name, "--rounds", "1", "--no-warmup", "--loop", loop]
         counts = [
             callgrind_count(valgrind, sys.argv[0], [*args, "--requests", str(n)])
             for n in (small, large)
         ]
-        per = (counts[1] - counts[0]) / (large - small)
+        per = measured[name] = (counts[1] - counts[0]) / (large - small)
         if name == "bare":
             base = per
         extra = f"{per - base:>11.0f}" if base is not None and name != "bare" else ""
         print(f"{name:<16}{per:>11.0f}{extra}", flush=True)
-        if base is not None and name != "bare":
+        if base is not None and name not in ("bare", *_PEERS):
             report_instructions(name, per, base)
+    for ours, peer in _AGAINST_PEER:
+        if ours in measured and peer in measured:
+            ratio = measured[ours] / measured[peer]
+            print(f"{ours} / {peer}: {ratio:.2f}x the instructions")
+            report_row(
+                "asgi",
+                f"{ours}: instructions / asgi-idempotency-header's ({peer})",
+                ratio,
+                None,
+                lower_is_better=True,
+            )
 
+
+# The peer's scenarios (asgi-idempotency-header, which reads no body and keeps no
+# fingerprint) are compared with idempo's, not held to idempo's goals.
+_PEERS = ("aih", "aih_replay")
+_AGAINST_PEER = (("memory", "aih"), ("memory_replay", "aih_replay"))
 
 # Issue 15's goals, in instructions against the bare endpoint's: a replay costs at most the
 # endpoint itself; a fresh request's overhead (over the endpoint) at most this share of it.
@@ -309,6 +329,9 @@ def main() -> None:
     parser.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     names = args.only.split(",") if args.only else SCENARIOS
+    if not args.only and importlib.util.find_spec("idempotency_header_middleware") is None:
+        # The peer comes with the bench dependency group only.
+        names = [name for name in names if name not in _PEERS]
     unknown = set(names) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {sorted(unknown)}")
