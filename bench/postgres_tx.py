@@ -380,8 +380,10 @@ def drop_schema(dsn: str) -> None:
         conn.execute(
             f"DROP TABLE IF EXISTS {PAYMENTS_TABLE}, {KEYS_TABLE}, {IDEMKIT_TABLE}, {IDEMPO_TABLE}"
         )
-        # idempo's reservation function (`migrate` makes it; it outlives its table).
+        # idempo's reservation function and token sequence (`migrate` makes them; they
+        # outlive their table, so that a table made again never hands out a token twice).
         conn.execute(f"DROP FUNCTION IF EXISTS {IDEMPO_TABLE}_reserve")
+        conn.execute(f"DROP SEQUENCE IF EXISTS {IDEMPO_TABLE}_tokens")
 
 
 # --------------------------------------------------------------------------- measuring
