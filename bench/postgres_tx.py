@@ -18,7 +18,9 @@ Scenarios, each on its own dedicated connection(s):
 Scenarios run in interleaved rounds with a rotating order, and the table reports the median
 ops/s, so one noisy moment on a shared machine does not decide a ratio. Round trips are
 counted in a separate phase through a loopback proxy (bench/_roundtrips.py): the proxy adds
-latency of its own and must never touch the timed numbers.
+latency of its own and must never touch the timed numbers. Where the server runs on this
+host, its CPU time over each scenario's timed calls (all its processes, the WAL writer's
+too, from /proc) is shown per call: what a call costs the server every client shares.
 
 ``--instructions`` counts instead the CPU instructions one call costs the client process
 (Python, psycopg, libpq; not the server), under valgrind (callgrind), from two runs of 100 and
@@ -48,7 +50,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg.types.json import Jsonb
 
-from _measure import callgrind_count
+from _measure import callgrind_count, server_cpu_ns
 from _report import report
 from _roundtrips import RoundTripProxy
 
@@ -394,14 +396,25 @@ class Result:
     kind: str
     ops_per_s: list[float] = field(default_factory=list)
     round_trips: float | None = None
+    # The server's CPU time over the timed calls (every postgres process of this host), and
+    # those calls' number: None when the server is not on this host.
+    server_ns: int | None = 0
+    calls: int = 0
 
     @property
     def median(self) -> float:
         return statistics.median(self.ops_per_s)
 
+    @property
+    def server_us(self) -> float | None:
+        """The server's CPU time per call, in µs."""
+        if self.server_ns is None or not self.calls:
+            return None
+        return self.server_ns / self.calls / 1000
 
-def run_for(scenario: Scenario, seconds: float) -> float:
-    """Run one scenario back to back for `seconds`; return its ops/s."""
+
+def run_for(scenario: Scenario, seconds: float) -> tuple[int, float]:
+    """Run one scenario back to back for `seconds`; return its calls and their seconds."""
     ops = 0
     start = time.perf_counter()
     deadline = start + seconds
@@ -410,7 +423,7 @@ def run_for(scenario: Scenario, seconds: float) -> float:
         ops += 1
         now = time.perf_counter()
         if now >= deadline:
-            return ops / (now - start)
+            return ops, now - start
 
 
 def warm_up(scenario: Scenario, ops: int) -> None:
@@ -431,7 +444,16 @@ def measure_throughput(
 ) -> None:
     for order in rotations(scenarios, rounds):
         for scenario in order:
-            results[scenario.name].ops_per_s.append(run_for(scenario, slice_s))
+            result = results[scenario.name]
+            before = server_cpu_ns("postgres")
+            ops, seconds = run_for(scenario, slice_s)
+            after = server_cpu_ns("postgres")
+            result.ops_per_s.append(ops / seconds)
+            result.calls += ops
+            if before is None or after is None or result.server_ns is None:
+                result.server_ns = None
+            else:
+                result.server_ns += after - before
 
 
 def with_port(dsn: str, port: int) -> str:
@@ -485,12 +507,16 @@ def print_header(dsn: str, rounds: int, slice_s: float, count_ops: int) -> None:
 
 
 def print_table(results: dict[str, Result]) -> None:
-    print(f"{'scenario':<22}{'kind':<10}{'ops/s':>9}{'min':>9}{'max':>9}{'RT/op':>8}")
+    print(
+        f"{'scenario':<22}{'kind':<10}{'ops/s':>9}{'min':>9}{'max':>9}{'RT/op':>8}"
+        f"{'server us/op':>14}"
+    )
     for name, result in results.items():
         rt = f"{result.round_trips:.2f}" if result.round_trips is not None else "-"
+        server = f"{result.server_us:.1f}" if result.server_us is not None else "-"
         print(
             f"{name:<22}{result.kind:<10}{result.median:>9.0f}"
-            f"{min(result.ops_per_s):>9.0f}{max(result.ops_per_s):>9.0f}{rt:>8}"
+            f"{min(result.ops_per_s):>9.0f}{max(result.ops_per_s):>9.0f}{rt:>8}{server:>14}"
         )
 
 
@@ -514,6 +540,33 @@ def print_ratios(results: dict[str, Result]) -> None:
             print(f"  {label:<40}{ratio:>7.2f}")
         else:
             print(f"  {label:<40}{'n/a':>7}")
+
+
+# The server's CPU per call that `make bench` reports, each beside its baseline's.
+SERVER_ROWS = [
+    ("idempo", "bare"),
+    ("idempo_store_replay", "bare_select"),
+]
+
+
+def print_server(results: dict[str, Result]) -> None:
+    """The server's CPU time per call against the baseline's: what a call costs the one
+    server every client shares, which the throughput ratios above hide behind the round
+    trip's latency."""
+    rows = []
+    for top, bottom in SERVER_ROWS:
+        if top in results and bottom in results:
+            top_us, bottom_us = results[top].server_us, results[bottom].server_us
+            if top_us is None or bottom_us is None:
+                print("\nserver CPU per call: not measured (the server is not on this host)")
+                return
+            rows.append((top, bottom, top_us, bottom_us))
+    print("\nserver CPU per call (every postgres process of this host), µs:")
+    for top, bottom, top_us, bottom_us in rows:
+        label = f"{top} / {bottom}"
+        print(f"  {label:<40}{top_us:>7.1f} / {bottom_us:.1f} = {top_us / bottom_us:.2f}x")
+        path = f"server CPU per call, µs: {top} ({bottom}: {bottom_us:.1f})"
+        report("postgres", path, top_us, None, unit="")
 
 
 # --------------------------------------------------------------------------- main
@@ -651,6 +704,7 @@ def run(settings: Settings) -> None:
 
     print_table(results)
     print_ratios(results)
+    print_server(results)
     if notes:
         print()
     for note in notes:
