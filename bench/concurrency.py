@@ -2,7 +2,7 @@
 PostgreSQL and Redis: throughput should climb until the machine is saturated and then stay
 flat, never drop (issue 15's "no drop past saturation").
 
-    .venv/bin/python bench/concurrency.py [--seconds 3] [--stores postgres,redis]
+    .venv/bin/python bench/concurrency.py [--seconds 3] [--quick] [--stores postgres,redis]
 
 Each level runs ``clients`` threads spread over up to ``--processes`` worker processes (so
 the GIL of one process is not what saturates), all starting together; each thread makes
@@ -11,6 +11,9 @@ Every process has one store (one connection pool, sized for its threads), and th
 runs by hand (reserve, then record the result: two plain commands) as the baseline. Prints
 calls/s per level, idempo's ratio to the baseline, and idempo's ratio to its best level
 below: past saturation that should stay near 1.0, unless the baseline drops as well.
+``make bench`` runs it ``--quick`` (1.5 s a level) and reports, for each store, idempo's
+calls/s at 64 clients over its best level's, and the same for the load by hand, so a drop
+that both share (the machine's scheduling of many processes on few cores) reads as such.
 """
 
 from __future__ import annotations
@@ -22,9 +25,14 @@ import threading
 import time
 from typing import Any
 
+from _report import report
+
 POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS = "redis://127.0.0.1:6379/0"
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
+# Issue 15's "no drop past saturation": the most clients' calls/s over the best level's, with
+# room for the spread of one level's rate on a shared machine.
+HELD_GOAL = 0.95
 
 
 def _caller(kind: str, how: str, threads: int, place: str) -> tuple[Any, Any]:
@@ -169,29 +177,46 @@ def _batches(keys: Any, size: int = 1000) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--quick", action="store_true", help="1.5 s a level (make bench)")
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--stores", default="postgres,redis")
     args = parser.parse_args()
+    seconds = 1.5 if args.quick else args.seconds
     for kind in args.stores.split(","):
         place, clean = _prepare(kind)
         try:
-            print(f"{kind}: fresh calls/s by concurrent clients ({args.seconds:g} s each)")
+            print(f"{kind}: fresh calls/s by concurrent clients ({seconds:g} s each)")
             print(f"  {'clients':>7}{'idempo':>10}{'minimum':>10}{'ratio':>8}  idempo / best below")
-            best = 0.0
+            rates = {"idempo": [], "minimum": []}
             for clients in LEVELS:
-                rates = {
-                    how: _level(kind, how, place, clients, args.processes, args.seconds)
-                    for how in ("idempo", "minimum")
-                }
-                rate = rates["idempo"]
+                for how, seen in rates.items():
+                    seen.append(_level(kind, how, place, clients, args.processes, seconds))
+                rate, best = rates["idempo"][-1], max(rates["idempo"][:-1], default=0.0)
                 drop = f"{rate / best:.2f}" if best else "-"
                 print(
-                    f"  {clients:>7}{rate:>10.0f}{rates['minimum']:>10.0f}"
-                    f"{rate / rates['minimum']:>8.2f}  {drop}"
+                    f"  {clients:>7}{rate:>10.0f}{rates['minimum'][-1]:>10.0f}"
+                    f"{rate / rates['minimum'][-1]:>8.2f}  {drop}"
                 )
-                best = max(best, rate)
         finally:
             clean()
+        held = {how: seen[-1] / max(seen) for how, seen in rates.items()}
+        most = LEVELS[-1]
+        print(
+            f"  at {most} clients / the best level: idempo {held['idempo']:.2f},"
+            f" by hand {held['minimum']:.2f}"
+        )
+        report(
+            "concurrency",
+            f"{kind}: idempo calls/s at {most} clients / its best level",
+            held["idempo"],
+            HELD_GOAL,
+        )
+        report(
+            "concurrency",
+            f"{kind}: the same for the load by hand (the machine's share)",
+            held["minimum"],
+            None,
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`make bench`: every benchmark family in one run, and one table of each path against the
 goal issue 15 sets for it (docs/benchmarks.md, "distance to the floor").
 
-    .venv/bin/python bench/floor.py [--full] [--only redis,postgres,asgi,http,wake,growth,rgrowth]
+    .venv/bin/python bench/floor.py [--full] [--only FAMILY,...]  (families: see FAMILIES below)
 
 Each family runs in a process of its own (bench/<script>.py, ``--quick`` unless ``--full``)
 and prints its own tables as it goes; each reports its paths to this run's table
@@ -14,7 +14,9 @@ cannot run (a server down, valgrind missing) is said so and the rest go on; with
 the http family is skipped, which fails nothing. ``growth`` (PostgreSQL and MariaDB,
 bench/sql_growth.py) and ``rgrowth`` (Redis, bench/redis_growth.py) load 10^5 records (10^6
 with ``--full``) and report calls/s at that size over calls/s at 10^4, the purge's records/s
-and the live calls' p99 while a purge runs.
+and the live calls' p99 while a purge runs. ``concurrency`` (bench/concurrency.py) grows
+fresh calls from 1 to 64 clients in up to 8 processes, on PostgreSQL and Redis, and reports
+what is left at 64 of the best level's calls/s, idempo's and the same load's by hand.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ FAMILIES: dict[str, list[str]] = {
     # 10^5 records unless --full (10^6): loads, purges and the live calls during the purge
     "growth": ["sql_growth.py", "--store", "both", "--phases", "growth,purge,live"],
     "rgrowth": ["redis_growth.py"],
+    # fresh calls/s from 1 to 64 clients in up to 8 processes, PostgreSQL and Redis
+    "concurrency": ["concurrency.py"],
 }
 # the families whose scripts take --quick
-QUICK = {"redis", "postgres", "http", "growth", "rgrowth"}
+QUICK = {"redis", "postgres", "http", "growth", "rgrowth", "concurrency"}
 # The program a family cannot run without; missing, the family is skipped, not failed
 # (`make bench` installs wrk where apt can).
 NEEDS = {"http": "wrk"}
@@ -70,7 +74,7 @@ def verdict(row: dict[str, object]) -> str:
 
 def print_table(rows: list[dict[str, object]], failed: list[str], skipped: list[str]) -> None:
     print("\n=== distance to the floor (issue 15's goals)")
-    print(f"{'family':<9}{'path':<62}{'measured':>10}{'goal':>9}  {'':<7}{'round trips':>11}")
+    print(f"{'family':<12}{'path':<62}{'measured':>10}{'goal':>9}  {'':<7}{'round trips':>11}")
     for row in rows:
         goal = row["goal"]
         op = "<=" if row["lower_is_better"] else ">="
@@ -80,13 +84,13 @@ def print_table(rows: list[dict[str, object]], failed: list[str], skipped: list[
         value = row["value"]
         assert isinstance(value, int | float)
         print(
-            f"{row['family']!s:<9}{row['path']!s:<62}{value:>9.2f}{row['unit']!s:<1}"
+            f"{row['family']!s:<12}{row['path']!s:<62}{value:>9.2f}{row['unit']!s:<1}"
             f"{goal_text:>9}  {verdict(row):<7}{trips_text:>11}"
         )
     for name in failed:
-        print(f"{name:<9}did not run to its end (see its output above)")
+        print(f"{name:<12}did not run to its end (see its output above)")
     for name in skipped:
-        print(f"{name:<9}skipped: {NEEDS[name]} is not installed")
+        print(f"{name:<12}skipped: {NEEDS[name]} is not installed")
 
 
 def main() -> None:
