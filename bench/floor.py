@@ -17,6 +17,8 @@ with ``--full``) and report calls/s at that size over calls/s at 10^4, the purge
 and the live calls' p99 while a purge runs. ``concurrency`` (bench/concurrency.py) grows
 fresh calls from 1 to 64 clients in up to 8 processes, on PostgreSQL and Redis, and reports
 what is left at 64 of the best level's calls/s, idempo's and the same load's by hand.
+``observe`` (bench/observability_overhead.py, callgrind) counts what OpenTelemetryObserver
+in its default state (the API alone, no SDK) adds to a call (issue 15 allows 2 %).
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ FAMILIES: dict[str, list[str]] = {
     "rgrowth": ["redis_growth.py"],
     # fresh calls/s from 1 to 64 clients in up to 8 processes, PostgreSQL and Redis
     "concurrency": ["concurrency.py"],
+    # instructions per call with OpenTelemetryObserver in its default state (no SDK) / none
+    "observe": ["observability_overhead.py"],
 }
 # the families whose scripts take --quick
-QUICK = {"redis", "postgres", "http", "growth", "rgrowth", "concurrency"}
+QUICK = {"redis", "postgres", "http", "growth", "rgrowth", "concurrency", "observe"}
 # The program a family cannot run without; missing, the family is skipped, not failed
 # (`make bench` installs wrk where apt can).
 NEEDS = {"http": "wrk"}
