@@ -310,7 +310,9 @@ def test_an_outdated_function_is_reported(postgres_url: str, table: str) -> None
     warning that names `idempo migrate`, which puts this version's back."""
     url = f"{postgres_url}?table={table}"
     with opened(postgres_url, table) as store, psycopg.connect(postgres_url) as conn:
-        body = store.dialect.function_ddl.replace("ELSIF NOT stale", "ELSIF NOT stale AND true")
+        body = store.dialect.function_ddl.replace(
+            "IF FOUND AND NOT stale", "IF FOUND AND NOT stale AND true"
+        )
         conn.execute(body)
         conn.commit()
         found = {f.check: f for f in diagnose(url).findings}
@@ -320,6 +322,36 @@ def test_an_outdated_function_is_reported(postgres_url: str, table: str) -> None
         )
         store.migrate()
         assert {f.check: f.level for f in diagnose(url).findings}["reserve_function"] is Level.PASS
+
+
+def test_migrate_leaves_an_earlier_versions_function_for_its_processes(
+    postgres_url: str, table: str
+) -> None:
+    """A table migrated by the version whose function took no lock timeout keeps that
+    function (same name, seven parameters) when this version migrates it: processes of the
+    earlier version still call it during a rolling deploy. This version's store finds and
+    uses its own."""
+    earlier = table + "_reserve(text, text, text, text, timestamptz, interval, interval)"
+    with opened(postgres_url, table, function=False) as store:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(
+                f"CREATE FUNCTION {earlier.replace(')', ', OUT acquired boolean)')}"
+                " LANGUAGE sql AS 'SELECT NULL::boolean'"
+            )
+        store.migrate()
+        assert isinstance(reserve(store, "k"), Acquired)
+        assert store.dialect.installed.present is True
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            found = conn.execute(
+                "SELECT to_regprocedure(%s) IS NOT NULL, to_regprocedure(%s) IS NOT NULL",
+                (earlier, store.dialect.signature),
+            ).fetchone()
+        assert found == (True, True)
+        # Once no process of the earlier version runs, dropping its function (as
+        # docs/stores.md shows) leaves this version's working.
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP FUNCTION {earlier}")
+        assert isinstance(reserve(store, "k"), InProgress)
 
 
 def test_migrations_at_once_all_succeed(postgres_url: str, table: str) -> None:

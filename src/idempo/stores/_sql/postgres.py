@@ -47,9 +47,12 @@ _WAKE = (
 
 
 # The reservation function's parameters (`PostgresDialect.function_ddl`), in order: the
-# reservation statement's own parameter names, and their types.
-_FUNCTION_PARAMS = ("principal", "operation", "key", "fingerprint", "now", "lease", "lease_ttl")
-_FUNCTION_TYPES = "text, text, text, text, timestamptz, interval, interval"
+# reservation statement's own parameter names, then the lock timeout its writes wait under on
+# the app's connection (NULL on the store's own, whose session has it), and their types.
+_FUNCTION_PARAMS = (
+    "principal", "operation", "key", "fingerprint", "now", "lease", "lease_ttl", "lock_ms",
+)  # fmt: skip
+_FUNCTION_TYPES = "text, text, text, text, timestamptz, interval, interval, text"
 # What it returns: the reservation statement's row, ``(acquired, *COLUMNS, decided)``.
 _ROW_TYPES = (
     "boolean", "text", "text", "text", "text", "text", "bigint", "timestamptz", "bytea",
@@ -209,6 +212,13 @@ class PostgresDialect(SqlDialect):
         reservation statement itself, whose fresh snapshot decides as a retry would.
         docs/decisions.md ("PostgreSQL's reservation function") has why each answer is one
         the reservation statement could have given.
+
+        On the app's connection (``lock_ms`` given) only the writes can wait on another
+        transaction's row lock, so the function sets its lock timeout before them and puts
+        the app's back after them: an answer from the read alone touches no setting. A
+        write that fails with the timeout fails the transaction, whose rollback (to a
+        savepoint too) undoes the local setting. It also leaves ``idempo.held`` = 'y' in the
+        transaction when it took the key, '' otherwise, for `UNHELD_SQL`.
         """
         now, row = self.now, ", ".join(f"r.{name}" for name in _ROW_NAMES[1:-1])
         into = ", ".join(_ROW_NAMES)
@@ -220,20 +230,30 @@ class PostgresDialect(SqlDialect):
             f"INSERT INTO {self.table} AS r ({self.insert_columns}) VALUES ({self.insert_values})"
             f" ON CONFLICT DO NOTHING RETURNING true, {row}, {now} INTO {into}"
         )
+        on_app = "  IF :lock_ms IS NOT NULL THEN"
         # The OUT parameters are named as the table's columns: the columns win (the
-        # function's own values are only ever assigned, by INTO).
+        # function's own values are only ever assigned, by INTO). Assignments leave FOUND
+        # alone; ``stale`` is NULL only when the read found no record.
         return positional(
             "#variable_conflict use_column\n"
-            "DECLARE stale boolean;\n"
+            "DECLARE stale boolean; app text; setting text;\n"
             "BEGIN\n"
             f"  {read};\n"
-            "  IF NOT FOUND THEN\n"
-            f"    {insert};\n"
-            "    IF FOUND THEN RETURN; END IF;\n"
-            "  ELSIF NOT stale THEN\n"
+            "  IF FOUND AND NOT stale THEN\n"
+            f"  {on_app} setting := set_config('idempo.held', '', true); END IF;\n"
             "    RETURN;\n"
             "  END IF;\n"
-            f"  {self.reserve_sql} INTO {into};\n"
+            f"{on_app} app := current_setting('lock_timeout');"
+            " setting := set_config('lock_timeout', :lock_ms, true); END IF;\n"
+            "  IF stale IS NULL THEN\n"
+            f"    {insert};\n"
+            "  END IF;\n"
+            "  IF acquired IS NOT TRUE THEN\n"
+            f"    {self.reserve_sql} INTO {into};\n"
+            "  END IF;\n"
+            f"{on_app} setting := set_config('lock_timeout', app, true);"
+            " setting := set_config('idempo.held', CASE WHEN acquired THEN 'y' ELSE '' END, true);"
+            " END IF;\n"
             "END"
         )
 
@@ -307,21 +327,20 @@ class PostgresDialect(SqlDialect):
     @cached_property
     def call_sql(self) -> str:
         """The reservation through the function: one row, all NULL when it found nothing
-        (a lost race, as the statement's no row)."""
+        (a lost race, as the statement's no row). On the app's connection the function sets
+        the lock timeout itself, around its writes (`function_body`)."""
         args = (
             ":principal, :operation, :key, :fingerprint, CAST(:now AS timestamptz),"
-            " CAST(:lease AS interval), CAST(:lease_ttl AS interval)"
+            " CAST(:lease AS interval), CAST(:lease_ttl AS interval), CAST(:lock_ms AS text)"
         )
         return f"SELECT * FROM {self.function}({args})"
 
     def reserve_statement(self, present: bool | None) -> str:
         """The reservation's SQL where the function exists (``present``), does not, or may."""
-        if self.lock_ms is None:
-            if present:
-                return self.call_sql
-            return self.reserve_sql if present is False else self.probing_reserve_sql
         if present:
-            return self.waiting_call_sql
+            return self.call_sql
+        if self.lock_ms is None:
+            return self.reserve_sql if present is False else self.probing_reserve_sql
         return self.waiting_reserve_sql if present is False else self.probing_waiting_sql
 
     @cached_property
@@ -356,15 +375,6 @@ class PostgresDialect(SqlDialect):
         always comes back)."""
         return self._waiting_around(self._waiting_parts, self._probe)
 
-    @cached_property
-    def waiting_call_sql(self) -> str:
-        """`waiting_reserve_sql` through the function. The one-time filter on ``saved``
-        keeps the function from running before our lock timeout is set; the app's comes
-        back once the function's row is made (it runs to its end before its row is read)."""
-        return self._waiting_around(
-            f"answer AS ({self.call_sql} AS f WHERE EXISTS (SELECT 1 FROM saved))"
-        )
-
     def _waiting_around(self, answer: str, extra: str = "") -> str:
         """The reservation ``answer`` (CTEs ending in one named ``answer``) with the lock
         timeout set before it and put back after it, and ``idempo.held`` left behind;
@@ -394,8 +404,7 @@ class PostgresDialect(SqlDialect):
 
     def reserve(self, op: Reserve) -> SqlGen[Reservation]:
         params = self.reserve_params(op)
-        if self.lock_ms is not None:
-            params["lock_ms"] = self.lock_ms
+        params["lock_ms"] = self.lock_ms
         installed = self.installed
         present = installed.present
         sql = self.reserve_statement(present)
