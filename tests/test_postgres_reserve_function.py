@@ -338,6 +338,12 @@ def test_migrate_leaves_an_earlier_versions_function_for_its_processes(
                 f"CREATE FUNCTION {earlier.replace(')', ', OUT acquired boolean)')}"
                 " LANGUAGE sql AS 'SELECT NULL::boolean'"
             )
+        found = {f.check: f for f in diagnose(f"{postgres_url}?table={table}").findings}
+        assert (found["reserve_function"].level, found["reserve_function"].value) == (
+            Level.WARN,
+            "outdated",
+        )
+        assert "earlier version's" in found["reserve_function"].summary
         store.migrate()
         assert isinstance(reserve(store, "k"), Acquired)
         assert store.dialect.installed.present is True

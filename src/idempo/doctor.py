@@ -332,6 +332,18 @@ def _reserve_function(store: Any) -> Finding:
     if found:
         why = f"{name} is not this version's (another version of idempo made it)"
         return Finding("reserve_function", Level.WARN, why, fix, "outdated")
+    ((earlier,),) = _query(
+        store,
+        "SELECT to_regprocedure(:signature) IS NOT NULL",
+        {"signature": dialect.earlier_signature},
+    )
+    if earlier:
+        why = (
+            f"{name} is an earlier version's (seven parameters, no lock timeout): until this"
+            " version's is made, every reservation sends the reservation statement (correct,"
+            " and slower)"
+        )
+        return Finding("reserve_function", Level.WARN, why, fix, "outdated")
     why = (
         f"{name} is missing (the table was migrated before it): every replay costs the"
         " server the reservation statement's insert and update, set up for nothing"

@@ -116,6 +116,9 @@ class PostgresDialect(SqlDialect):
         # is (a function is no relation: it never meets a table of that name).
         self.function = derived_name(table, "reserve")
         self.signature = f"{self.function}({_FUNCTION_TYPES})"
+        # The earlier version's function (no lock timeout), which `migrate` leaves for that
+        # version's processes: `idempo doctor` names it when it is all there is.
+        self.earlier_signature = f"{self.function}({_FUNCTION_TYPES.rsplit(', ', 1)[0]})"
         self.installed = Installed()
         self._waiting: dict[str, PostgresDialect] = {}
 
