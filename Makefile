@@ -6,7 +6,7 @@ PROJECT_HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(PROJECT_HASH)
 DEMO_STAMP := $(VENV)/.demo-$(PROJECT_HASH)
 
-.PHONY: demo test lint types pytest services bench clean
+.PHONY: demo test lint types pytest services bench bench-instructions clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ bench: $(STAMP)
 		|| echo "make bench: could not install wrk (no apt, or not root): the http family is skipped"; \
 	}
 	$(BIN)/python bench/floor.py
+
+# The same paths counted in client instructions under valgrind (callgrind): load-independent,
+# so a change can be judged on a busy machine (bench/floor.py --instructions).
+bench-instructions: $(STAMP)
+	$(BIN)/python -m pip install --quiet --group bench -e .
+	$(BIN)/python bench/floor.py --instructions
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -36,3 +36,12 @@ def report(
     }
     with open(target, "a", encoding="utf-8") as out:
         out.write(json.dumps(row) + "\n")
+
+
+def report_instructions(family: str, top: str, bottom: str, counts: dict[str, float]) -> None:
+    """Add a `--instructions` row: client instructions per call of ``top`` over ``bottom``'s
+    (lower is better; the counts themselves in the path). No goal: issue 15 sets its goals
+    on calls/s, and this row is how a change to them is judged on a busy machine."""
+    ours, base = counts[top], counts[bottom]
+    path = f"client instructions: {top} / {bottom} ({ours / 1000:.0f} k / {base / 1000:.0f} k)"
+    report(family, path, ours / base, None, lower_is_better=True)

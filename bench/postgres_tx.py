@@ -51,7 +51,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from _measure import callgrind_count, server_cpu_ns
-from _report import report
+from _report import report, report_instructions
 from _roundtrips import RoundTripProxy
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -665,6 +665,7 @@ def print_instructions(settings: Settings) -> None:
     for top, bottom in INSTRUCTION_RATIOS:
         if top in counts and bottom in counts:
             print(f"  {top} / {bottom}: {counts[top] / counts[bottom]:.2f}x the instructions")
+            report_instructions("postgres", top, bottom, counts)
 
 
 def build_available(dsn: str, notes: list[str]) -> list[Scenario]:

@@ -65,7 +65,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from _report import report
+from _report import report, report_instructions
 from _roundtrips import RoundTripProxy
 from postgres_tx import (
     Result,
@@ -731,6 +731,7 @@ def print_instructions(url: str, only: tuple[str, ...]) -> None:
     for top, bottom, _ in RATIOS:
         if top in counts and bottom in counts:
             print(f"  {top} / {bottom}: {counts[top] / counts[bottom]:.2f}x the instructions")
+            report_instructions("redis", top, bottom, counts)
 
 
 def build_available(url: str, only: tuple[str, ...], notes: list[str]) -> list[Scenario]:
