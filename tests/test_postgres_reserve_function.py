@@ -353,11 +353,20 @@ def test_migrate_leaves_an_earlier_versions_function_for_its_processes(
                 (earlier, store.dialect.signature),
             ).fetchone()
         assert found == (True, True)
+        # doctor passes, and names what is left for the operator to drop.
+        found = {f.check: f for f in diagnose(f"{postgres_url}?table={table}").findings}
+        assert found["reserve_function"].level is Level.PASS
+        assert f"earlier version's {earlier} is still there" in found["reserve_function"].summary
         # Once no process of the earlier version runs, dropping its function (as
         # docs/stores.md shows) leaves this version's working.
         with psycopg.connect(postgres_url, autocommit=True) as conn:
             conn.execute(f"DROP FUNCTION {earlier}")
         assert isinstance(reserve(store, "k"), InProgress)
+        found = {f.check: f for f in diagnose(f"{postgres_url}?table={table}").findings}
+        assert (found["reserve_function"].level, found["reserve_function"].summary) == (
+            Level.PASS,
+            f"the reservation function {store.dialect.function} is current",
+        )
 
 
 def test_migrations_at_once_all_succeed(postgres_url: str, table: str) -> None:

@@ -326,17 +326,25 @@ def _reserve_function(store: Any) -> Finding:
         {"signature": dialect.signature},
     )
     name = f"the reservation function {dialect.function}"
-    if found and str(found[0][0]).strip() == dialect.function_body.strip():
-        return Finding("reserve_function", Level.PASS, f"{name} is current", None, "ok")
-    fix = "run `idempo migrate URL` again: it makes the function and changes nothing else"
-    if found:
-        why = f"{name} is not this version's (another version of idempo made it)"
-        return Finding("reserve_function", Level.WARN, why, fix, "outdated")
     ((earlier,),) = _query(
         store,
         "SELECT to_regprocedure(:signature) IS NOT NULL",
         {"signature": dialect.earlier_signature},
     )
+    if found and str(found[0][0]).strip() == dialect.function_body.strip():
+        summary = f"{name} is current"
+        if earlier:
+            # Left by `migrate` for the earlier version's processes (a rolling deploy):
+            # nothing is wrong, but only the operator knows when none of them runs.
+            summary += (
+                f"; the earlier version's {dialect.earlier_signature} is still there for"
+                " its processes: once none runs, it can be dropped (docs/stores.md)"
+            )
+        return Finding("reserve_function", Level.PASS, summary, None, "ok")
+    fix = "run `idempo migrate URL` again: it makes the function and changes nothing else"
+    if found:
+        why = f"{name} is not this version's (another version of idempo made it)"
+        return Finding("reserve_function", Level.WARN, why, fix, "outdated")
     if earlier:
         why = (
             f"{name} is an earlier version's (seven parameters, no lock timeout): until this"
